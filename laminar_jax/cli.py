@@ -1,0 +1,141 @@
+"""The `laminar` command.
+
+    laminar config show CONFIG [key=value ...]   print the resolved config as YAML
+    laminar sft [CONFIG] [key=value ...]         supervised warm-up (laminar_jax.learner.sft)
+    laminar train [CONFIG] [key=value ...]       RL post-training (laminar_jax.runtime.driver)
+    laminar simulate CONFIG [key=value ...]      discrete-event simulator (laminar_jax.sim.cli)
+
+Heavy modules (jax, ray) are imported inside the handlers, after the config has loaded, so
+`--help` is instant and a config error costs nothing. Config errors print one line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import sys
+from typing import Callable, Sequence
+
+DEFAULT_CONFIG = "configs/default.yaml"
+EXIT_USAGE = 2
+
+_OVERRIDES_HELP = "dotted overrides parsed as YAML, e.g. optimizer.lr=1e-6 mesh.data=-1"
+
+
+class _Usage(Exception):
+    """A user-facing error: printed as `error: <message>`, exit code 2."""
+
+
+def _split_config(args: Sequence[str], *, required: bool) -> tuple[str, list[str]]:
+    """`[CONFIG] [key=value ...]`: the first argument is the config unless it is an override."""
+    args = list(args)
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    if required:
+        raise _Usage("a CONFIG path is required before the overrides")
+    return _default_config(), args
+
+
+def _default_config() -> str:
+    repo_root = pathlib.Path(__file__).resolve().parent.parent
+    for candidate in (pathlib.Path(DEFAULT_CONFIG), repo_root / DEFAULT_CONFIG):
+        if candidate.is_file():
+            return str(candidate)
+    raise _Usage(f"no CONFIG given and {DEFAULT_CONFIG} is not in the current directory "
+                 f"or in {repo_root}")
+
+
+def _load(config_path: str, overrides: Sequence[str]):
+    from laminar_jax.config import load_config
+    return load_config(config_path, overrides)
+
+
+def _import_entry(module: str, attr: str, what: str, hint: str = "") -> Callable:
+    """Import `module.attr`; a missing module means that part of the system is not built yet."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        parts = module.split(".")
+        if e.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            raise _Usage(f"{what} is not built yet ({module} does not exist){hint}") from None
+        raise
+    return getattr(mod, attr)
+
+
+def _cmd_config_show(ns: argparse.Namespace) -> int:
+    from laminar_jax.config import dump_yaml
+    path, overrides = _split_config(ns.args, required=True)
+    sys.stdout.write(dump_yaml(_load(path, overrides)))
+    return 0
+
+
+def _cmd_sft(ns: argparse.Namespace) -> int:
+    path, overrides = _split_config(ns.args, required=False)
+    cfg = _load(path, overrides)
+    run = _import_entry("laminar_jax.learner.sft", "run", "supervised training")
+    run(cfg)
+    return 0
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    path, overrides = _split_config(ns.args, required=False)
+    cfg = _load(path, overrides)
+    run = _import_entry("laminar_jax.runtime.driver", "run", "the RL runtime",
+                        "; `laminar sft` runs supervised training meanwhile")
+    run(cfg)
+    return 0
+
+
+def _cmd_simulate(ns: argparse.Namespace) -> int:
+    path, overrides = _split_config(ns.args, required=True)
+    sim_main = _import_entry("laminar_jax.sim.cli", "main", "the simulator")
+    rc = sim_main(path, overrides)
+    return rc if isinstance(rc, int) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="laminar",
+        description="Laminar-JAX: trajectory-level asynchronous RL post-training in JAX.",
+        epilog="CONFIG is a YAML file (see configs/); overrides are dotted key=value pairs.")
+    from laminar_jax import __version__
+    parser.add_argument("--version", action="version", version=f"laminar-jax {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    config = sub.add_parser("config", help="inspect configs")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config as YAML",
+                                 description="Print CONFIG with overrides applied, every key "
+                                             "resolved (defaults included).")
+    show.add_argument("args", nargs="+", metavar="CONFIG [key=value ...]", help=_OVERRIDES_HELP)
+    show.set_defaults(handler=_cmd_config_show)
+
+    for name, handler, text in (
+            ("sft", _cmd_sft, "supervised warm-up on the task's reference answers"),
+            ("train", _cmd_train, "RL post-training (learner, rollouts, relays, manager)")):
+        p = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. "
+                           f"CONFIG defaults to {DEFAULT_CONFIG}.")
+        p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]", help=_OVERRIDES_HELP)
+        p.set_defaults(handler=handler)
+
+    sim = sub.add_parser("simulate", help="discrete-event simulation of the scheduling modes",
+                         description="Replay the scheduling policies at scale with measured "
+                                     "decode-latency and response-length profiles.")
+    sim.add_argument("args", nargs="+", metavar="CONFIG [key=value ...]", help=_OVERRIDES_HELP)
+    sim.set_defaults(handler=_cmd_simulate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `laminar` script; returns the exit code."""
+    ns = build_parser().parse_args(argv)
+    from laminar_jax.config_loader import ConfigError
+    try:
+        return ns.handler(ns)
+    except (_Usage, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

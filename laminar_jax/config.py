@@ -1,0 +1,317 @@
+"""The run configuration: one frozen dataclass per section, read from YAML.
+
+`load_config("configs/default.yaml", ["optimizer.lr=1e-4"])` returns a `Config`; every field has
+a default (the tiny CPU run), so a YAML file lists only what it changes. Each section checks its
+ranges in `__post_init__`; `laminar_jax.config_loader` adds the file and dotted key to the error.
+
+No jax import: `laminar config show` and argument errors must stay instant.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from laminar_jax.config_loader import (ConfigError, config_from_dict, dump_config, dump_yaml,
+                                       load_config, yaml_load)
+from laminar_jax.rl.spec import AdvantageSpec, LossSpec
+
+__all__ = [
+    "AdvantageSpec", "Config", "ConfigError", "DataConfig", "LearnerConfig", "LossSpec",
+    "ManagerConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RelayConfig",
+    "RewardConfig", "RolloutConfig", "RunConfig", "SftConfig", "config_from_dict", "dump_config",
+    "dump_yaml", "load_config", "yaml_load",
+]
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+def _require(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _at_least(obj, lower: int, *names: str) -> None:
+    for name in names:
+        _require(getattr(obj, name) >= lower, name, getattr(obj, name), f"an int >= {lower}")
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        _require(math.isfinite(v) and v > 0, name, v, "a finite float > 0")
+
+
+def _non_negative(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        _require(math.isfinite(v) and v >= 0, name, v, "a finite float >= 0")
+
+
+def _non_empty(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        _require(v is None or v.strip() != "", name, v, "a non-empty string")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where the run folder goes (`out_dir/name`), how long it runs and how often it logs.
+
+    ray_address: None starts an embedded local Ray cluster; "auto" or "host:port" joins one.
+    checkpoint_every: learner steps between orbax checkpoints (0 = only at the end).
+    """
+
+    name: str = "default"
+    out_dir: str = "runs"
+    seed: int = 0
+    steps: int = 20
+    log_every: int = 1
+    ray_address: str | None = None
+    checkpoint_every: int = 0
+
+    def __post_init__(self):
+        _non_empty(self, "name", "out_dir", "ray_address")
+        _require("/" not in self.name and self.name not in (".", ".."), "name", self.name,
+                 "a folder name without '/'")
+        _at_least(self, 0, "seed", "checkpoint_every")
+        _at_least(self, 1, "steps", "log_every")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy: a built-in preset, or a Hugging Face folder (config.json + safetensors).
+
+    hf_path wins over preset when set. param_dtype is the learner's master copy, dtype its
+    compute dtype, rollout_dtype what the relays ship to the engines.
+    """
+
+    preset: Literal["tiny", "100m"] = "tiny"
+    hf_path: str | None = None
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"
+    rollout_dtype: DType = "float32"
+
+    def __post_init__(self):
+        _non_empty(self, "hf_path")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warmup + decay schedule (optax).
+
+    grad_clip: max global gradient norm (0 = no clipping). The schedule decays from lr to
+    lr * min_lr_ratio over run.steps after warmup_steps of linear warmup.
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self):
+        _positive(self, "lr", "eps")
+        _non_negative(self, "weight_decay", "grad_clip")
+        for name in ("b1", "b2"):
+            v = getattr(self, name)
+            _require(0 <= v < 1, name, v, "0 <= value < 1")
+        _at_least(self, 0, "warmup_steps")
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "0 <= ratio <= 1")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh of the learner, axes ("data", "fsdp", "tensor").
+
+    data = -1 takes all devices left after fsdp * tensor.
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        _require(self.data == -1 or self.data >= 1, "data", self.data,
+                 "an int >= 1, or -1 for all remaining devices")
+        _at_least(self, 1, "fsdp", "tensor")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """One learner step: global_batch_groups prompt groups, split into mini_batches updates.
+
+    micro_batch_size: sequences per gradient-accumulation micro-batch (0 = whole mini-batch).
+    max_seq_len: prompt + response tokens per packed row. logprob_chunk: sequence chunk of the
+    log-prob computation (bounds the [chunk, vocab] logits held at once).
+    recompute_prox: recompute prox_logp even when the loss does not need it (for metrics).
+    """
+
+    global_batch_groups: int = 4
+    mini_batches: int = 1
+    micro_batch_size: int = 0
+    max_seq_len: int = 256
+    logprob_chunk: int = 128
+    recompute_prox: bool = False
+
+    def __post_init__(self):
+        _at_least(self, 1, "global_batch_groups", "mini_batches", "max_seq_len", "logprob_chunk")
+        _at_least(self, 0, "micro_batch_size")
+        _require(self.global_batch_groups % self.mini_batches == 0, "mini_batches",
+                 self.mini_batches,
+                 f"a divisor of global_batch_groups ({self.global_batch_groups})")
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    """Supervised warm-up on the task's reference answers (next-token cross-entropy)."""
+
+    steps: int = 30
+    batch_size: int = 16
+    seq_len: int = 64
+    lr: float = 3e-3
+
+    def __post_init__(self):
+        _at_least(self, 1, "steps", "batch_size")
+        _at_least(self, 2, "seq_len")
+        _positive(self, "lr")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout workers and sampling.
+
+    temperature 0 is greedy; top_k 0 disables top-k. kv_budget_tokens: KV-cache capacity of the
+    JAX engine in tokens (the repack plan's KV use is relative to it). accelerators_per_rollout:
+    Ray GPU/TPU resources each worker asks for (0 on CPU).
+    """
+
+    engine: Literal["jax", "vllm"] = "jax"
+    num_rollouts: int = 2
+    max_concurrency: int = 32
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    kv_budget_tokens: int = 8192
+    accelerators_per_rollout: float = 0.0
+
+    def __post_init__(self):
+        _at_least(self, 1, "num_rollouts", "max_concurrency", "max_new_tokens", "kv_budget_tokens")
+        _at_least(self, 0, "top_k")
+        _non_negative(self, "temperature", "accelerators_per_rollout")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "0 < top_p <= 1")
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """Relay tier: weights go learner -> master relay -> chain -> rollouts, in chunks.
+
+    num_chunks 0 picks the chunk count that minimises the chain time model with t_byte_s (seconds
+    per byte on a link) and t_start_s (fixed cost per chunk). enabled=False makes rollouts read
+    the weight store directly (the ablation without relays).
+    """
+
+    enabled: bool = True
+    num_chunks: int = 0
+    store_dir: str = "/dev/shm/laminar"
+    t_byte_s: float = 1e-9
+    t_start_s: float = 1e-3
+
+    def __post_init__(self):
+        _at_least(self, 0, "num_chunks")
+        _non_empty(self, "store_dir")
+        _positive(self, "t_byte_s")
+        _non_negative(self, "t_start_s")
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """Scheduling mode and the rollout manager (paper sections 3-5).
+
+    repack: move trajectories off rollouts whose KV use is falling (Algorithm 1), checked every
+    repack_interval_s; c_max caps a destination's KV use, roofline_batch is the batch at which
+    decode stops being memory-bound. max_staleness bounds gen_version lag in "stream"/"partial".
+    A worker silent for heartbeat_timeout_s is declared dead.
+    """
+
+    mode: Literal["sync", "one_step", "stream", "partial", "laminar"] = "laminar"
+    repack: bool = True
+    repack_interval_s: float = 5.0
+    c_max: float = 0.99
+    roofline_batch: int = 64
+    max_staleness: int = 4
+    heartbeat_s: float = 2.0
+    heartbeat_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        _positive(self, "repack_interval_s", "heartbeat_s", "heartbeat_timeout_s")
+        _require(0 < self.c_max <= 1, "c_max", self.c_max, "0 < c_max <= 1")
+        _at_least(self, 1, "roofline_batch")
+        _at_least(self, 0, "max_staleness")
+        _require(self.heartbeat_timeout_s > self.heartbeat_s, "heartbeat_timeout_s",
+                 self.heartbeat_timeout_s, f"more than heartbeat_s ({self.heartbeat_s})")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts: a built-in task ("synthetic") or a JSONL / Parquet file at path.
+
+    group_size: responses sampled per prompt (the GRPO group).
+    chat_template: wrap prompts with the tokenizer's chat template.
+    """
+
+    task: str = "synthetic"
+    path: str | None = None
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    group_size: int = 8
+    chat_template: bool = False
+
+    def __post_init__(self):
+        _non_empty(self, "task", "path", "prompt_field", "answer_field")
+        _at_least(self, 1, "group_size")
+
+
+_REWARD_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward function: a built-in name ("exact_match") or "package.module:function"."""
+
+    fn: str = "exact_match"
+
+    def __post_init__(self):
+        _require(bool(_REWARD_RE.match(self.fn)) and (":" in self.fn or "." not in self.fn),
+                 "fn", self.fn, "a built-in name or 'package.module:function'")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs; `laminar config show CONFIG` prints it resolved."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
+    manager: ManagerConfig = field(default_factory=ManagerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    loss: LossSpec = field(default_factory=LossSpec)
+    advantage: AdvantageSpec = field(default_factory=AdvantageSpec)
+
+    def __post_init__(self):
+        opt = self.optimizer
+        _require(opt.schedule == "constant" or opt.warmup_steps < self.run.steps,
+                 "optimizer.warmup_steps", opt.warmup_steps,
+                 f"fewer than run.steps ({self.run.steps}) with schedule {opt.schedule!r}")

@@ -1,0 +1,189 @@
+"""Run folder: RunWriter -> load_run round trip, crash safety, resume, TensorBoard scalars."""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from laminar_jax.analysis import find_runs, load_events, load_metrics, load_run
+from laminar_jax.config import Config, config_from_dict, dump_config, load_config
+from laminar_jax.metrics import RunWriter, _import_tensorboardx
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_round_trip_values_nan_fill_and_events(tmp_path):
+    cfg = load_config(None, ["run.name=rt", "optimizer.lr=2e-5"])
+    with RunWriter(tmp_path / "run", cfg, flush_every=100, tensorboard=False) as writer:
+        writer.log_step(0, {"loss": np.float32(1.5), "lr": 2e-5, "mode": "laminar"})
+        writer.log_step(1, {"loss": np.array(0.75), "lr": 2e-5, "kl": np.float64(0.125),
+                            "groups": np.int64(4)})
+        writer.log_step(2, {"loss": 0.5, "lr": 1e-5, "kl": 0.0625, "done": True})
+        writer.log_trajectories([
+            {"id": "t0", "length": 5, "reward": 1.0, "gen_version": 0, "tokens": np.arange(3)},
+            {"id": "t1", "length": 9, "reward": 0.0, "gen_version": 1, "tokens": [7]},
+        ])
+        writer.log_event("publish", version=1, bytes=np.int64(1 << 40), path=tmp_path / "w")
+        writer.log_event("repack", moves=[{"source": "r0", "destination": "r1"}])
+
+    run = load_run(tmp_path / "run")
+    assert run.name == "run"
+    assert run.config == dump_config(cfg)
+    assert config_from_dict(run.config) == cfg
+
+    m = run.metrics
+    assert list(m["step"]) == [0, 1, 2]
+    assert list(m["loss"]) == [1.5, 0.75, 0.5]
+    assert list(m["lr"]) == [2e-5, 2e-5, 1e-5]
+    assert math.isnan(m["kl"][0]) and list(m["kl"][1:]) == [0.125, 0.0625]  # appeared at step 1
+    assert math.isnan(m["groups"][0]) and m["groups"][1] == 4 and math.isnan(m["groups"][2])
+    assert m["mode"][0] == "laminar" and m["mode"][1:].isna().all()
+
+    t = run.trajectories
+    assert list(t["id"]) == ["t0", "t1"] and list(t["length"]) == [5, 9]
+    assert [list(x) for x in t["tokens"]] == [[0, 1, 2], [7]]
+
+    e = run.events
+    assert list(e["kind"]) == ["publish", "repack"]
+    assert e["version"][0] == 1 and e["bytes"][0] == 1 << 40 and e["path"][0] == str(tmp_path / "w")
+    assert e["moves"][1] == [{"source": "r0", "destination": "r1"}]
+    assert math.isnan(e["version"][1])
+    assert e["time"].is_monotonic_increasing and abs(e["time"][0] - pd.Timestamp.now().timestamp()) < 3600
+
+
+def test_rows_survive_a_crash_up_to_the_last_flush(tmp_path):
+    writer = RunWriter(tmp_path, flush_every=2, tensorboard=False)
+    for step in range(5):
+        writer.log_step(step, {"loss": float(step)})
+    writer.log_event("failure", rollout="r3")
+    # No close(): the process "dies" here. Steps 0-3 were flushed, the event line is on disk.
+    run = load_run(tmp_path)
+    assert list(run.metrics["step"]) == [0, 1, 2, 3]
+    assert list(run.events["kind"]) == ["failure"] and run.events["rollout"][0] == "r3"
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    writer.close()
+    assert list(load_run(tmp_path).metrics["step"]) == [0, 1, 2, 3, 4]
+
+
+def test_resume_keeps_rows_and_rewinds_to_the_checkpoint(tmp_path):
+    with RunWriter(tmp_path, tensorboard=False) as writer:
+        for step in range(6):
+            writer.log_step(step, {"loss": float(step)})
+        writer.log_event("checkpoint", step=3)
+    # Resumed from the step-3 checkpoint: steps 4 and 5 are redone with new values.
+    with RunWriter(tmp_path, tensorboard=False) as writer:
+        assert writer.num_steps == 6
+        writer.log_step(4, {"loss": 40.0, "new_metric": 1.0})
+        writer.log_event("resume", step=4)
+    run = load_run(tmp_path)
+    assert list(run.metrics["step"]) == [0, 1, 2, 3, 4]
+    assert list(run.metrics["loss"]) == [0.0, 1.0, 2.0, 3.0, 40.0]
+    assert run.metrics["new_metric"][:4].isna().all() and run.metrics["new_metric"][4] == 1.0
+    assert list(run.events["kind"]) == ["checkpoint", "resume"]
+
+
+def test_bad_values_are_rejected_with_their_name(tmp_path):
+    with RunWriter(tmp_path, tensorboard=False) as writer:
+        with pytest.raises(ValueError, match=r"metric 'hist': expected a scalar number.*\(3,\)"):
+            writer.log_step(0, {"hist": np.zeros(3)})
+        with pytest.raises(ValueError, match="'step' is the row key"):
+            writer.log_step(0, {"step": 1})
+        with pytest.raises(ValueError, match="'time' is set by the writer"):
+            writer.log_event("publish", time=0.0)
+        writer.log_step(0, {"x": 1.0})
+        with pytest.raises(ValueError, match=r"metric 'x': got a str \('text'\) in a column "
+                                             "of number values"):
+            writer.log_step(1, {"x": "text"})
+        with pytest.raises(ValueError, match=r"trajectory field 'id': got a number \(3\) in a "
+                                             "column of str values"):
+            writer.log_trajectories([{"id": "t0", "new": 1}, {"id": 3}])
+        writer.log_trajectories([{"id": "t1", "new": "ok"}])  # the rejected batch left no trace
+        writer.log_step(1, {"x": 2})
+    assert list(load_run(tmp_path).metrics["x"]) == [1.0, 2.0]
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.log_step(2, {})
+
+
+def _read_tb_scalars(tb_dir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    _import_tensorboardx()
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):  # TFRecord framing: u64 length, u32 crc, payload, u32 crc
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_tensorboard_scalars(tmp_path):
+    with RunWriter(tmp_path, flush_every=1) as writer:
+        writer.log_step(0, {"loss": 2.0, "mode": "sync"})
+        writer.log_step(1, {"loss": 1.0, "reward": np.float32(0.5)})
+    scalars = _read_tb_scalars(tmp_path / "tb")
+    assert scalars == {"loss": [(0, 2.0), (1, 1.0)], "reward": [(1, 0.5)]}
+
+
+def test_writer_and_analysis_import_neither_jax_nor_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "from laminar_jax.metrics import RunWriter\n"
+        "from laminar_jax.analysis import load_run\n"
+        f"w = RunWriter({str(tmp_path)!r}); w.log_step(0, {{'a': 1.0}}); w.close()\n"
+        "load_run(w.run_dir)\n"
+        "print(sorted(m for m in ('jax', 'torch', 'ray') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_load_run_errors_and_optional_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nope'}: no such run folder"):
+        load_run(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a run folder"):
+        load_run(tmp_path / "empty")
+    only_events = tmp_path / "only_events"
+    only_events.mkdir()
+    (only_events / "events.jsonl").write_text(json.dumps({"time": 1.0, "kind": "start"}) + "\n")
+    run = load_run(only_events)
+    assert run.config == {} and run.metrics.empty and list(run.metrics.columns) == ["step"]
+    assert run.trajectories.empty and list(run.events["kind"]) == ["start"]
+
+
+def test_events_tolerate_a_cut_last_line_only(tmp_path):
+    path = tmp_path / "events.jsonl"
+    good = json.dumps({"time": 1.0, "kind": "a", "x": 1})
+    path.write_text(good + "\n" + '{"time": 2.0, "ki')
+    assert list(load_events(path)["kind"]) == ["a"]
+    path.write_text(good + "\nnot json\n" + good + "\n")
+    with pytest.raises(ValueError, match=f"{path}:2: not a JSON event line"):
+        load_events(path)
+
+
+def test_find_runs_and_load_metrics(tmp_path):
+    for name, losses in (("a", [1.0, 0.5]), ("b", [2.0])):
+        with RunWriter(tmp_path / "sweep" / name, Config(), tensorboard=False) as writer:
+            for step, loss in enumerate(losses):
+                writer.log_step(step, {"loss": loss})
+    (tmp_path / "sweep" / "not_a_run").mkdir()
+    runs = find_runs(tmp_path)
+    assert runs == [tmp_path / "sweep" / "a", tmp_path / "sweep" / "b"]
+    frame = load_metrics(runs)
+    assert list(frame.columns[:2]) == ["run", "step"]
+    assert list(zip(frame["run"], frame["step"], frame["loss"])) == [
+        ("a", 0, 1.0), ("a", 1, 0.5), ("b", 0, 2.0)]
