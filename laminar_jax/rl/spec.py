@@ -57,7 +57,8 @@ class AdvantageSpec:
         _check(self.estimator in ADVANTAGE_ESTIMATORS, s, "estimator", self.estimator,
                f"one of {ADVANTAGE_ESTIMATORS}")
         _check(_finite(self.eps) and self.eps > 0, s, "eps", self.eps, "a finite float > 0")
-        _check(_finite(self.gamma) and 0 < self.gamma <= 1, s, "gamma", self.gamma, "0 < gamma <= 1")
+        _check(_finite(self.gamma) and 0 < self.gamma <= 1, s, "gamma", self.gamma,
+               "0 < gamma <= 1")
         _check(isinstance(self.overlong_max_len, int) and self.overlong_max_len >= 0, s,
                "overlong_max_len", self.overlong_max_len, "an int >= 0 (0 = off)")
         _check(isinstance(self.overlong_buffer, int) and self.overlong_buffer >= 0, s,
@@ -248,11 +249,13 @@ class LossSpec:
         c = self.correction
         if (c.old == "behaviour" and c.has_behaviour_weight
                 and self.surrogate.kind in RATIO_SURROGATES):
-            _fail(s, "correction", c,
-                  f"no pi/mu weight (is_level / vtrace / topr) with correction.old='behaviour' "
-                  f"and surrogate.kind={self.surrogate.kind!r}: the ratio already compares "
-                  f"against mu, so the correction would count twice; use correction.old='prox' "
-                  f"or surrogate.kind='reinforce'")
+            weights = [f"is_level={c.is_level!r}"] if c.is_level != "none" else []
+            weights += [name for name in ("vtrace", "topr") if getattr(c, name)]
+            _fail(s, "correction.old", c.old,
+                  f"'prox' when a pi/mu weight is on ({', '.join(weights)}) with "
+                  f"surrogate.kind={self.surrogate.kind!r}: in bypass mode the ratio already "
+                  f"compares against mu, so the weight would count twice (or use "
+                  f"surrogate.kind='reinforce')")
 
     @property
     def needs_prox(self) -> bool:

@@ -1,0 +1,155 @@
+"""Policy surrogates: per-token losses (to be minimised) and clip indicators.
+
+Every function returns `(token_loss [B, T], aux)` where `aux` always holds the float 0/1 arrays
+`clipped_low`, `clipped_high`, `clipped_dual` (tokens whose gradient a clip removed, or, for
+CISPO, whose weight was truncated), so callers see the same structure for every surrogate.
+Aggregate `token_loss` with `laminar_jax.rl.aggregation.aggregate`. Masked positions hold 0.
+
+Notation: l = learner_logp (the only differentiable input), l_old = old_logp (the PPO anchor),
+d = l - l_old (fp32, clamped to +-20, 0 at padding), r = exp(d), A = advantages.
+Sequence-level surrogates use the masked sequence mean of A as the sequence advantage A_i.
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from laminar_jax.rl.seq_ops import (as_mask, log_ratio, masked, safe_exp, seq_gather, seq_mean,
+                                    seq_view)
+
+GSPO_MAX_LOG_RATIO = 10.0  # verl clamps the sequence log-ratio at 10 before exp
+
+
+def _prepare(learner_logp, old_logp, advantages, mask):
+    chex.assert_rank([learner_logp, advantages, mask], 2)
+    chex.assert_equal_shape([learner_logp, advantages, mask],
+                            custom_message="rl.losses: learner_logp/advantages/mask")
+    if old_logp is not None:
+        chex.assert_equal_shape([learner_logp, old_logp],
+                                custom_message="rl.losses: learner_logp/old_logp")
+    m = as_mask(mask)
+    adv = jax.lax.stop_gradient(masked(advantages, m))
+    d = None if old_logp is None else log_ratio(learner_logp, jax.lax.stop_gradient(old_logp), m)
+    return m, adv, d
+
+
+def _aux(low=None, high=None, dual=None, like=None):
+    z = jnp.zeros_like(like)
+    return {"clipped_low": z if low is None else low.astype(jnp.float32),
+            "clipped_high": z if high is None else high.astype(jnp.float32),
+            "clipped_dual": z if dual is None else dual.astype(jnp.float32)}
+
+
+def _clipped_objective(ratio, adv, m, eps_low, eps_high):
+    """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) and its low/high clip indicators."""
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(unclipped, clipped)
+    low = (m > 0) & (adv < 0) & (ratio < 1.0 - eps_low)
+    high = (m > 0) & (adv > 0) & (ratio > 1.0 + eps_high)
+    return loss, low, high
+
+
+def ppo_clip(learner_logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
+             eps_high: float = 0.2, dual_clip_c: float | None = None):
+    """PPO clip, DAPO clip-higher and dual-clip.
+
+    L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))   (PPO, arXiv 1707.06347; eps_low !=
+    eps_high is DAPO's clip-higher, arXiv 2503.14476). Dual-clip (Ye et al., arXiv 1912.09729): for
+    A < 0, L = min(L, c |A|), c > 1. dL/dl = -A r on the active unclipped branch, else 0.
+    """
+    m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
+    loss, low, high = _clipped_objective(safe_exp(d), adv, m, eps_low, eps_high)
+    dual = None
+    if dual_clip_c is not None:
+        cap = -adv * dual_clip_c
+        dual = (m > 0) & (adv < 0) & (loss > cap)
+        loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
+    return masked(loss, m), _aux(low, high, dual, like=m)
+
+
+def _sequence_log_ratio(d, adv, m, segment_ids, max_segments):
+    view = seq_view(m, segment_ids, max_segments)
+    seq_d, _ = seq_mean(d, m, view)
+    seq_adv, _ = seq_mean(adv, m, view)
+    return view, jnp.minimum(seq_d, GSPO_MAX_LOG_RATIO), seq_adv
+
+
+def gspo(learner_logp, old_logp, advantages, mask, *, eps_low: float = 3e-4,
+         eps_high: float = 4e-4, segment_ids=None, max_segments: int | None = None):
+    """GSPO, sequence-level ratio (Zheng et al., arXiv 2507.18071).
+
+    s_i = exp(mean_t d_{i,t}) (log clamped at 10), L_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low,
+    1 + eps_high)), written to every valid token of sequence i; aggregate with
+    'seq-mean-token-mean' for the paper's mean over sequences (dL/dl_{i,t} = -A_i s_i / |y_i|).
+    """
+    m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
+    view, seq_d, seq_adv = _sequence_log_ratio(d, adv, m, segment_ids, max_segments)
+    loss_i, low_i, high_i = _clipped_objective(jnp.exp(seq_d), seq_adv, 1.0, eps_low, eps_high)
+    low, high = seq_gather(low_i, view) & (m > 0), seq_gather(high_i, view) & (m > 0)
+    return masked(seq_gather(loss_i, view), m), _aux(low, high, like=m)
+
+
+def gspo_token(learner_logp, old_logp, advantages, mask, *, eps_low: float = 3e-4,
+               eps_high: float = 4e-4, segment_ids=None, max_segments: int | None = None):
+    """GSPO-token (arXiv 2507.18071, the form verl implements): per-token advantages allowed.
+
+    s_{i,t} = sg(s_i) exp(l_{i,t} - sg(l_{i,t})), L_{i,t} = max(-A_{i,t} s_{i,t}, -A_{i,t}
+    clip(s_{i,t}, 1 - eps_low, 1 + eps_high)). Value and gradient equal GSPO's when A is constant
+    over each sequence.
+    """
+    m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
+    view, seq_d, _ = _sequence_log_ratio(d, adv, m, segment_ids, max_segments)
+    log_s = jax.lax.stop_gradient(seq_gather(seq_d, view)) + d - jax.lax.stop_gradient(d)
+    loss, low, high = _clipped_objective(jnp.exp(log_s), adv, m, eps_low, eps_high)
+    return masked(loss, m), _aux(low, high, like=m)
+
+
+def cispo(learner_logp, old_logp, advantages, mask, *, eps_low: float = 1.0,
+          eps_high: float = 0.28):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clipped IS weight, every token keeps its gradient.
+
+    r_hat = clip(r, 1 - eps_low, 1 + eps_high); the paper's L = -sg(r_hat) A l. Here the value is
+    written L = -sg(r_hat) A exp(l - sg(l)): the same gradient (-r_hat A) and a value (-r_hat A)
+    that does not depend on the absolute log-prob, so it compares with the other surrogates.
+    eps_low >= 1 disables the lower bound (the paper's setting); TRL's absolute cap min(r, C) is
+    eps_low >= 1, eps_high = C - 1.
+    """
+    m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
+    r = jax.lax.stop_gradient(safe_exp(d))
+    r_hat = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high)
+    loss = -adv * r_hat * jnp.exp(d - jax.lax.stop_gradient(d))
+    low, high = (m > 0) & (r < 1.0 - eps_low), (m > 0) & (r > 1.0 + eps_high)
+    return masked(loss, m), _aux(low, high, like=m)
+
+
+def gmpo(learner_logp, old_logp, advantages, mask, *, eps_low: float = 0.4,
+         eps_high: float = 0.4, segment_ids=None, max_segments: int | None = None):
+    """GMPO, geometric-mean policy optimisation (Zhao et al., arXiv 2507.20673).
+
+    d~_t = sgn(A_i) min(sgn(A_i) d_t, sgn(A_i) clip(d_t, -eps_low, eps_high)),
+    L_i = -A_i exp(mean_t d~_t), written to every valid token; aggregate with
+    'seq-mean-token-mean' for the paper's mean over sequences. eps bound the log-ratio.
+    """
+    m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
+    view, _, seq_adv = _sequence_log_ratio(d, adv, m, segment_ids, max_segments)
+    sign = jnp.sign(seq_gather(seq_adv, view))
+    d_clip = sign * jnp.minimum(sign * d, sign * jnp.clip(d, -eps_low, eps_high))
+    seq_log, _ = seq_mean(d_clip, m, view)
+    loss_i = -seq_adv * safe_exp(seq_log)
+    low = (m > 0) & (sign < 0) & (d < -eps_low)
+    high = (m > 0) & (sign > 0) & (d > eps_high)
+    return masked(seq_gather(loss_i, view), m), _aux(low, high, like=m)
+
+
+def reinforce(learner_logp, advantages, mask):
+    """REINFORCE: L = -A l (gradient -A), written as -A exp(l - sg(l)) so the value is -A.
+
+    With an IS weight from `corrections` this is verl's bypass `reinforce` loss and, with TOPR
+    weights, TOPR (arXiv 2503.14286).
+    """
+    m, adv, _ = _prepare(learner_logp, None, advantages, mask)
+    logp = masked(learner_logp, m)
+    loss = -adv * jnp.exp(logp - jax.lax.stop_gradient(logp))
+    return masked(loss, m), _aux(like=m)
