@@ -260,22 +260,53 @@ class ManagerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Prompts: a built-in task ("synthetic") or a JSONL / Parquet file at path.
+    """Prompts, the prompt pool, the partial-response pool and the experience buffer.
 
+    Prompts: the JSONL / Parquet file at path when set (task is then only a label, e.g. "math"),
+    else the built-in task named by task ("synthetic" = "countdown", "arithmetic"), num_prompts
+    of them with numbers up to task_max_n (0 = the task's default).
     group_size: responses sampled per prompt (the GRPO group).
     chat_template: wrap prompts with the tokenizer's chat template.
+    shuffle / max_epochs: seeded order of each pass; stop after max_epochs passes (0 = forever).
+    buffer_*: experience-buffer capacity in groups, sampler ("fifo" | "newest" | "uniform" |
+    "pkg.module:Factory"), what a full buffer does ("block" = back-pressure, "drop_oldest",
+    "drop_stalest" or an import path), and the staleness filter (drop groups more than this many
+    versions behind the learner; null = off).
+    partial_every_tokens / partial_every_s: how often rollouts stream in-flight tokens to the
+    partial-response pool (whichever comes first).
     """
 
     task: str = "synthetic"
     path: str | None = None
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    id_field: str = "id"
     group_size: int = 8
     chat_template: bool = False
+    num_prompts: int = 2048
+    task_max_n: int = 0
+    shuffle: bool = True
+    max_epochs: int = 0
+    buffer_groups: int = 64
+    buffer_sampler: str = "fifo"
+    buffer_when_full: str = "block"
+    buffer_max_staleness: int | None = None
+    partial_every_tokens: int = 16
+    partial_every_s: float = 2.0
 
     def __post_init__(self):
-        _non_empty(self, "task", "path", "prompt_field", "answer_field")
-        _at_least(self, 1, "group_size")
+        _non_empty(self, "task", "path", "prompt_field", "answer_field", "id_field")
+        _at_least(self, 1, "group_size", "num_prompts", "buffer_groups", "partial_every_tokens")
+        _at_least(self, 0, "task_max_n", "max_epochs")
+        _require(self.buffer_max_staleness is None or self.buffer_max_staleness >= 0,
+                 "buffer_max_staleness", self.buffer_max_staleness, "null or an int >= 0")
+        _positive(self, "partial_every_s")
+        _require(self.buffer_sampler in ("fifo", "newest", "uniform") or ":" in self.buffer_sampler,
+                 "buffer_sampler", self.buffer_sampler,
+                 "fifo, newest, uniform or 'package.module:Factory'")
+        _require(self.buffer_when_full in ("block", "drop_oldest", "drop_stalest")
+                 or ":" in self.buffer_when_full, "buffer_when_full", self.buffer_when_full,
+                 "block, drop_oldest, drop_stalest or 'package.module:Factory'")
 
 
 _REWARD_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$")
@@ -283,13 +314,23 @@ _REWARD_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$")
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Reward function: a built-in name ("exact_match") or "package.module:function"."""
+    """Reward function: a built-in name or "package.module:function" (laminar_jax.rewards).
+
+    Built-ins: exact_match, math (final answer, Math-Verify or sympy per math_backend), format
+    (each of format_tags present once, in order), task (a built-in task's own rule). A user
+    function is called as fn(prompt, completion, row) -> float with the dataset row.
+    """
 
     fn: str = "exact_match"
+    format_tags: tuple[str, ...] = ("think",)
+    math_backend: Literal["auto", "math_verify", "sympy"] = "auto"
 
     def __post_init__(self):
         _require(bool(_REWARD_RE.match(self.fn)) and (":" in self.fn or "." not in self.fn),
                  "fn", self.fn, "a built-in name or 'package.module:function'")
+        _require(len(self.format_tags) > 0 and all(re.match(r"^[A-Za-z_][\w\-]*$", t)
+                                                   for t in self.format_tags),
+                 "format_tags", self.format_tags, "a non-empty list of tag names like think")
 
 
 @dataclass(frozen=True)
