@@ -1,0 +1,51 @@
+"""Builds a learner from the config: mesh, model (preset or Hugging Face folder), optimizer and
+a fresh, sharded train state. Shared by `laminar sft` and the RL learner."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from laminar_jax import sharding as shd
+from laminar_jax.learner import train_state as ts
+from laminar_jax.learner.optim import optimizer_from_config
+from laminar_jax.models.config import DecoderConfig
+from laminar_jax.models.decoder import Decoder
+
+
+class LearnerSetup(NamedTuple):
+    model_cfg: DecoderConfig
+    mesh: Mesh
+    sharded: ts.ShardedModel
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    state: ts.TrainState
+    shardings: ts.TrainState
+
+
+def model_config(model_section: Any) -> tuple[DecoderConfig, Any]:
+    """``(DecoderConfig, host params tree or None)`` from a ``model`` config section: the
+    Hugging Face folder ``hf_path`` when set (weights loaded), else the named ``preset``."""
+    m = model_section
+    if getattr(m, "hf_path", None):
+        from laminar_jax.models.hf import load_pretrained
+        return load_pretrained(m.hf_path, param_dtype=m.param_dtype, dtype=m.dtype)
+    return DecoderConfig.preset(m.preset, param_dtype=m.param_dtype, dtype=m.dtype), None
+
+
+def build(cfg: Any, *, total_steps: int, lr: float | None = None,
+          rules: shd.Rules = shd.DEFAULT_RULES, remat: bool = False) -> LearnerSetup:
+    """Mesh from ``cfg.mesh``, model from ``cfg.model`` (seeded by ``cfg.run.seed`` when not
+    loaded), optimizer from ``cfg.optimizer`` over ``total_steps`` (``lr`` overrides its lr)."""
+    dcfg, host_params = model_config(cfg.model)
+    mesh = shd.mesh_from_config(cfg.mesh)
+    seed = getattr(getattr(cfg, "run", None), "seed", 0)
+    init_fn = lambda: Decoder(dcfg, rngs=nnx.Rngs(seed), remat=remat)  # noqa: E731
+    sharded = ts.shard_model(init_fn, mesh, rules)
+    params = (ts.init_params(sharded, init_fn) if host_params is None
+              else ts.place_params(sharded, host_params, what=cfg.model.hf_path))
+    tx, schedule = optimizer_from_config(cfg.optimizer, total_steps=total_steps, lr=lr)
+    state, shardings = ts.init_train_state(sharded, params, tx)
+    return LearnerSetup(dcfg, mesh, sharded, tx, schedule, state, shardings)

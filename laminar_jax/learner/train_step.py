@@ -1,0 +1,184 @@
+"""One jitted, sharded optimizer update for any ``loss_fn(params, batch) -> (loss, metrics)``.
+
+Gradient accumulation over ``num_micro_batches`` M:
+
+    loss = sum_m loss_fn(params, batch_m),      grads = sum_m d loss_fn(params, batch_m) / d params
+
+a plain sum, so a loss that divides by a *global* normaliser (e.g. the response-token count of the
+whole mini-batch, passed in the batch as a scalar) gives exactly the big-batch loss and gradient,
+whatever M is. Batch leaves of rank >= 1 are split along their leading axis (micro-batch m takes
+rows m, m+M, m+2M, ..., which keeps every micro-batch spread over all batch shards without moving
+data); rank-0 leaves (normalisers, coefficients) go to every micro-batch unchanged.
+
+The update is skipped inside the step when the loss or the gradient norm is not finite (params,
+optimizer state and step stay as they were), and the host wrapper then raises
+``NonFiniteLossError`` naming the step, so a bad batch never silently turns the run into NaNs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from laminar_jax import sharding as shd
+from laminar_jax.learner.train_state import TrainState
+
+LossFn = Callable[[Any, Any], tuple[jax.Array, Mapping[str, jax.Array]]]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm of a learner step was NaN/inf; the update was not applied.
+
+    ``state`` holds the train state as it was before the step (still valid, e.g. to checkpoint).
+    """
+
+    def __init__(self, step: int, metrics: Mapping[str, Any], state: TrainState | None = None):
+        self.step, self.metrics, self.state = step, dict(metrics), state
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(self.metrics.items()) if np.ndim(v) == 0)
+        super().__init__(f"non-finite loss at learner step {step}: loss={self.metrics.get('loss')}, "
+                         f"grad_norm={self.metrics.get('grad_norm')}; update skipped. "
+                         f"Metrics: {shown}")
+
+
+def split_micro_batches(batch: Any, num_micro_batches: int, mesh=None,
+                        rules: shd.Rules = shd.DEFAULT_RULES) -> tuple[Any, Any]:
+    """``(stacked, shared)``: rank >= 1 leaves as ``[M, B/M, ...]`` (strided rows), rank-0 leaves
+    in ``shared`` (``None`` where a leaf was split)."""
+    m = num_micro_batches
+
+    def stack(path, x):
+        if x.ndim == 0:
+            return None
+        if x.shape[0] % m:
+            raise ValueError(f"batch{jax.tree_util.keystr(path)}: leading dim {x.shape[0]} is "
+                             f"not divisible by num_micro_batches={m}")
+        y = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+        if mesh is not None:
+            spec = shd.batch_spec(x.ndim, rules)
+            y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
+        return y
+    stacked = jax.tree_util.tree_map_with_path(stack, batch)
+    shared = jax.tree.map(lambda x: x if x.ndim == 0 else None, batch)
+    return stacked, shared
+
+
+def _merge(stacked_slice: Any, shared: Any) -> Any:
+    return jax.tree.map(lambda a, b: b if a is None else a, stacked_slice, shared,
+                        is_leaf=lambda x: x is None)
+
+
+def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *, num_micro_batches: int = 1,
+                         param_shardings: Any = None, mesh=None,
+                         rules: shd.Rules = shd.DEFAULT_RULES,
+                         metric_reduction: str = "sum") -> tuple[jax.Array, Any, Any]:
+    """``(loss, metrics, grads)`` summed over micro-batches (see the module docstring).
+
+    ``metric_reduction="sum"`` sums metrics like the loss (exact for metrics normalised by the
+    same global normaliser); ``"mean"`` averages them over micro-batches.
+    """
+    if metric_reduction not in ("sum", "mean"):
+        raise ValueError(f"metric_reduction must be 'sum' or 'mean', got {metric_reduction!r}")
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if num_micro_batches == 1:
+        (loss, metrics), grads = grad_fn(params, batch)
+        return loss, dict(metrics), grads
+
+    stacked, shared = split_micro_batches(batch, num_micro_batches, mesh, rules)
+    first = jax.tree.map(lambda x: None if x is None else x[0], stacked,
+                         is_leaf=lambda x: x is None)
+    _, metrics_shape = jax.eval_shape(loss_fn, params, _merge(first, shared))
+    # accumulate in fp32 whatever the param dtype
+    zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if param_shardings is not None:
+        zeros_g = jax.lax.with_sharding_constraint(zeros_g, param_shardings)
+    zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), dict(metrics_shape))
+
+    def body(carry, micro):
+        g_acc, loss_acc, m_acc = carry
+        (loss, metrics), grads = grad_fn(params, _merge(micro, shared))
+        g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
+        m_acc = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), m_acc, dict(metrics))
+        return (g_acc, loss_acc + loss.astype(jnp.float32), m_acc), None
+
+    (grads, loss, metrics), _ = jax.lax.scan(body, (zeros_g, jnp.zeros((), jnp.float32), zeros_m),
+                                             stacked)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    if metric_reduction == "mean":
+        metrics = jax.tree.map(lambda v: v / num_micro_batches, metrics)
+    return loss, metrics, grads
+
+
+def make_step_fn(loss_fn: LossFn, tx: optax.GradientTransformation, *,
+                 schedule: optax.Schedule | None = None, num_micro_batches: int = 1,
+                 param_shardings: Any = None, mesh=None, rules: shd.Rules = shd.DEFAULT_RULES,
+                 metric_reduction: str = "sum") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    """The un-jitted step ``(state, batch) -> (state, metrics)``."""
+
+    def step_fn(state: TrainState, batch: Any):
+        loss, metrics, grads = accumulate_gradients(
+            loss_fn, state.params, batch, num_micro_batches=num_micro_batches,
+            param_shardings=param_shardings, mesh=mesh, rules=rules,
+            metric_reduction=metric_reduction)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        new_state = TrainState(keep(params, state.params), keep(opt_state, state.opt_state),
+                               state.step + ok.astype(state.step.dtype))
+        out = dict(metrics)
+        out.update(loss=loss, grad_norm=grad_norm, step=state.step, update_applied=ok)
+        if schedule is not None:
+            out["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+        return new_state, out
+    return step_fn
+
+
+class TrainStep:
+    """Jitted, sharded, donating train step with the host-side non-finite check.
+
+    ``step(state, batch) -> (state, metrics)`` with ``metrics`` on the host (python floats for
+    scalars). ``state`` is donated: do not use the passed-in state afterwards. One compilation per
+    batch structure (tree, ranks, shapes, dtypes); later calls with the same shapes reuse it.
+    """
+
+    def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation,
+                 state_shardings: TrainState, *, schedule: optax.Schedule | None = None,
+                 num_micro_batches: int = 1, rules: shd.Rules = shd.DEFAULT_RULES,
+                 metric_reduction: str = "sum", donate: bool = True, check_finite: bool = True):
+        if num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+        self.state_shardings = state_shardings
+        self.mesh = jax.tree.leaves(state_shardings.params)[0].mesh
+        self.rules = rules
+        self.check_finite = check_finite
+        self._step_fn = make_step_fn(loss_fn, tx, schedule=schedule,
+                                     num_micro_batches=num_micro_batches,
+                                     param_shardings=state_shardings.params, mesh=self.mesh,
+                                     rules=rules, metric_reduction=metric_reduction)
+        self._donate = (0,) if donate else ()
+        self._jitted: dict[Any, Any] = {}
+
+    def jitted(self, batch: Any):
+        """The ``jax.jit`` object used for batches shaped like ``batch`` (for ``.lower``)."""
+        key = (jax.tree.structure(batch), tuple(np.ndim(x) for x in jax.tree.leaves(batch)))
+        fn = self._jitted.get(key)
+        if fn is None:
+            batch_sh = shd.batch_shardings(batch, self.mesh, self.rules)
+            fn = jax.jit(self._step_fn, in_shardings=(self.state_shardings, batch_sh),
+                         out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
+                         donate_argnums=self._donate)
+            self._jitted[key] = fn
+        return fn
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        new_state, metrics = self.jitted(batch)(state, batch)
+        host = {k: (v.item() if np.ndim(v) == 0 else v) for k, v in jax.device_get(metrics).items()}
+        if self.check_finite and not host["update_applied"]:
+            raise NonFiniteLossError(int(host["step"]), host, new_state)
+        return new_state, host
