@@ -1,0 +1,151 @@
+"""RolloutManager: heartbeats, repack and failover of the rollout fleet (paper sections 3, 5, 7).
+
+    every repack_interval_s, and at once after each publish (`kick`):
+        stats  <- every rollout (a rollout that errors or reports a failed engine is dead)
+        dead   -> its groups: re-issued to a live rollout on the same version when all their
+                  samples are in the PartialPool, else re-queued as prompts
+        repack -> per version group, `repack.plan` (Algorithm 1); each move: release the
+                  source, adopt its trajectories on the destination (same version, so a
+                  trajectory never changes version), record the new holder in the ledger
+
+The manager holds rollout handles and the data actor; it runs no model. Plain class, wrapped as
+a Ray actor by the driver.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+
+from laminar_jax.manager import modes
+from laminar_jax.manager.repack import RolloutLoad, plan
+
+STATS_TIMEOUT_S = 30.0
+
+
+class RolloutManager:
+    def __init__(self, cfg: Any, rollouts: dict[str, Any], data: Any):
+        self.cfg, self.data = cfg, data
+        self.rollouts = dict(rollouts)
+        self.kv_prev: dict[str, float] = {}
+        self.last_stats: dict[str, dict] = {}
+        self._kick, self._stop = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
+        self._events: list[dict] = []
+        self.counters = dict(rounds=0, moves=0, moved_trajectories=0, failed_moves=0, dead=0,
+                             reissued_groups=0, requeued_groups=0)
+        self.repack = modes.repacks(cfg.manager.mode, enabled=cfg.manager.repack)
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self._kick.wait(self.cfg.manager.repack_interval_s)
+            self._kick.clear()
+            if not self._stop.is_set():
+                self.round()
+
+    def kick(self) -> None:
+        """Called after each publish: repack now so released rollouts get the new weights sooner."""
+        self._kick.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._kick.set()
+
+    # ------------------------------------------------------------------ one round
+    def round(self) -> dict[str, dict]:
+        stats = self._heartbeat()
+        if self.repack:
+            loads = [RolloutLoad(rid, s["version"], s["kv_used"], self.kv_prev.get(rid, s["kv_used"]),
+                                 s["num_running"]) for rid, s in stats.items() if s["version"] >= 0]
+            for move in plan(loads, c_max=self.cfg.manager.c_max, roofline_batch=self.cfg.manager.roofline_batch):
+                self._move(move.source, move.destination, move.version)
+        self.kv_prev = {rid: s["kv_used"] for rid, s in stats.items()}
+        self.counters["rounds"] += 1
+        return stats
+
+    def _heartbeat(self) -> dict[str, dict]:
+        refs = {rid: h.stats.remote() for rid, h in self.rollouts.items()}
+        stats, dead = {}, []
+        for rid, ref in refs.items():
+            try:
+                s = ray.get(ref, timeout=STATS_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                dead.append((rid, f"{type(e).__name__}"))
+                continue
+            if s["failed"]:
+                dead.append((rid, s["failed"]))
+            else:
+                stats[rid] = s
+        self.last_stats = stats
+        for rid, why in dead:
+            self._failover(rid, why, stats)
+        return stats
+
+    def _move(self, source: str, destination: str, version: int) -> None:
+        got = ray.get(self.rollouts[source].release.remote(version))
+        if got is None:
+            return
+        groups, partials = got
+        moved = [p.moved_to(destination) for p in partials]
+        ok = ray.get(self.rollouts[destination].adopt.remote(version, groups, moved))
+        gids = [g.group_id for g in groups]
+        if ok:
+            ray.get(self.data.reassign.remote(gids, destination))
+            self.data.update_partials.remote(moved)
+            self.counters["moves"] += 1
+            self.counters["moved_trajectories"] += len(moved)
+            self._event("repack", source=source, destination=destination, version=version,
+                        groups=len(groups), trajectories=len(moved))
+        else:  # the destination moved on to newer weights meanwhile: regenerate, never mix versions
+            ray.get(self.data.requeue.remote(gids))
+            self.counters["failed_moves"] += 1
+            self._event("repack_refused", source=source, destination=destination, version=version,
+                        groups=len(groups))
+
+    def _failover(self, rid: str, why: str, live: dict[str, dict]) -> None:
+        handle = self.rollouts.pop(rid)
+        self.counters["dead"] += 1
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        groups, partials = ray.get(self.data.orphans.remote(rid))
+        by_group: dict[str, list] = {}
+        for p in partials:
+            by_group.setdefault(p.group_id, []).append(p)
+        requeue = []
+        for g in groups:
+            ps = by_group.get(g.group_id, [])
+            versions = {int(p.token_versions.min()) for p in ps if p.num_tokens}
+            target = None
+            if len(ps) == g.group_size and len(versions) == 1:
+                v = versions.pop()
+                target = next((r for r, s in live.items() if s["version"] == v), None)
+            if target is not None and ray.get(self.rollouts[target].adopt.remote(
+                    v, [g], [p.moved_to(target) for p in ps])):
+                ray.get(self.data.reassign.remote([g.group_id], target))
+                self.counters["reissued_groups"] += 1
+            else:
+                requeue.append(g.group_id)
+        if requeue:
+            ray.get(self.data.requeue.remote(requeue))
+        self.counters["requeued_groups"] += len(requeue)
+        print(f"manager: rollout {rid} is dead ({why}); {len(groups) - len(requeue)} groups re-issued, "
+              f"{len(requeue)} re-queued", flush=True)
+        self._event("rollout_dead", rollout=rid, reason=why, groups=len(groups),
+                    reissued=len(groups) - len(requeue), requeued=len(requeue))
+
+    # ------------------------------------------------------------------ reporting
+    def _event(self, kind: str, **fields) -> None:
+        with self._lock:
+            self._events.append({"kind": kind, "t": time.time(), **fields})
+
+    def drain_events(self) -> list[dict]:
+        with self._lock:
+            out, self._events = self._events, []
+            return out
+
+    def report(self) -> dict:
+        return {"counters": dict(self.counters), "live": sorted(self.rollouts), "stats": self.last_stats}

@@ -1,0 +1,269 @@
+"""Scheduling modes and their staleness / admission rules, as pure functions.
+
+One table of rules shared by the runtime (manager, learner, rollout workers) and the cluster
+simulator, so both schedule the same way. Definitions (Laminar, arXiv 2510.12633, §2.3, §6):
+
+    staleness = learner version at consumption - gen_version
+
+where `gen_version` is the weight version a trajectory was generated with (for a partial-rollout
+trajectory that spans versions: the version it started on, the oldest that contributed).
+
+Modes [P §2.3, §8]:
+- "sync":     one global batch per version; the whole fleet generates batch k on version k.
+- "one_step": global batch k is generated on version k-1 while the learner trains batch k-1;
+              one global weight sync per iteration.
+- "stream":   like one_step (bound `max_staleness`, 1 in the paper), but the learner consumes
+              the batch mini-batch by mini-batch as trajectories finish.
+- "partial":  AReaL-style interruptible rollouts: every publish interrupts all rollouts, which
+              reload weights and re-prefill; submissions are rate-limited so that
+              floor((N_r - 1) / B) <= i + eta (AReaL eq. for N_r submitted trajectories,
+              learner version i, global batch B, bound eta; eta None = unbounded).
+- "laminar":  trajectory-level asynchrony: each rollout finishes its own batch on one version,
+              then pulls the newest; staleness is observed, not bounded.
+
+No jax, no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = [
+    "MODES",
+    "Mode",
+    "check_mode",
+    "staleness",
+    "staleness_bound",
+    "uses_global_batches",
+    "interrupts_on_publish",
+    "streams_minibatches",
+    "may_start_batch",
+    "batch_gen_version",
+    "may_submit",
+    "fresh_issue_limit",
+    "refills_continuously",
+    "may_pull_weights",
+    "repacks",
+    "batch_of",
+]
+
+Mode = Literal["sync", "one_step", "stream", "partial", "laminar"]
+MODES: tuple[str, ...] = ("sync", "one_step", "stream", "partial", "laminar")
+
+
+def check_mode(mode: str) -> str:
+    """Returns `mode` or raises ValueError naming the valid modes."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def _check_version(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+
+
+def staleness(learner_version: int, gen_version: int) -> int:
+    """learner version at consumption - gen_version [P §6]. Negative means a bookkeeping bug."""
+    _check_version("learner_version", learner_version)
+    _check_version("gen_version", gen_version)
+    if gen_version > learner_version:
+        raise ValueError(
+            f"gen_version {gen_version} is newer than the consuming learner version "
+            f"{learner_version}: a trajectory cannot come from weights the learner has not made"
+        )
+    return learner_version - gen_version
+
+
+def staleness_bound(mode: str, *, max_staleness: int | None = None) -> int | None:
+    """The largest staleness `mode` allows; None when it is not bounded by a setting.
+
+    sync: 0. one_step: 1. stream: `max_staleness` (the paper's baseline uses 1; default 1).
+    partial: `max_staleness` (AReaL's eta; None = unbounded, as in the paper's throughput runs).
+    laminar: None (staleness emerges from generation latency [P §6]).
+    """
+    check_mode(mode)
+    if max_staleness is not None:
+        _check_version("max_staleness", max_staleness)
+    if mode == "sync":
+        return 0
+    if mode == "one_step":
+        return 1
+    if mode == "stream":
+        return 1 if max_staleness is None else max_staleness
+    if mode == "partial":
+        return max_staleness
+    return None
+
+
+def uses_global_batches(mode: str) -> bool:
+    """Whether the fleet generates one global batch at a time, with a global weight sync."""
+    return check_mode(mode) in ("sync", "one_step", "stream")
+
+
+def interrupts_on_publish(mode: str) -> bool:
+    """Whether a publish interrupts in-flight generation (partial rollout, mixed versions)."""
+    return check_mode(mode) == "partial"
+
+
+def streams_minibatches(mode: str) -> bool:
+    """Whether the learner starts mini-batches before its global batch has finished generating."""
+    return check_mode(mode) == "stream"
+
+
+def may_start_batch(batch_index: int, weight_version: int, *, bound: int) -> bool:
+    """May global batch `batch_index` be generated with weights `weight_version`?
+
+    Batch k is consumed by the learner at version k (it trains batches in order, one version
+    each), so its staleness is k - weight_version; allowed iff 0 <= k - weight_version <= bound.
+    Weights newer than the consuming version are impossible and rejected.
+    """
+    _check_version("batch_index", batch_index)
+    _check_version("weight_version", weight_version)
+    _check_version("bound", bound)
+    return 0 <= batch_index - weight_version <= bound
+
+
+def batch_gen_version(batch_index: int, *, bound: int) -> int:
+    """The oldest weight version global batch `batch_index` may be generated with."""
+    _check_version("batch_index", batch_index)
+    _check_version("bound", bound)
+    return max(0, batch_index - bound)
+
+
+def may_submit(num_submitted: int, learner_version: int, *, batch_size: int,
+               eta: int | None) -> bool:
+    """AReaL's staleness-bounded submission: may one more trajectory be submitted?
+
+    With N_r = num_submitted + 1 trajectories submitted after this one, learner version i,
+    global batch B and bound eta: floor((N_r - 1) / B) <= i + eta. eta None: always.
+    The new trajectory lands in global batch floor(num_submitted / B) (FIFO consumption),
+    consumed at learner version >= that index, so its staleness is at most eta.
+    """
+    _check_version("num_submitted", num_submitted)
+    _check_version("learner_version", learner_version)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+    if eta is None:
+        return True
+    _check_version("eta", eta)
+    return num_submitted // batch_size <= learner_version + eta
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime policies: what each mode changes in the one code path of the runtime (rollout worker,
+# data actor, learner). The plumbing is the same for every mode; only these answers differ.
+
+def fresh_issue_limit(mode: str, *, next_position: int, weight_version: int, learner_version: int,
+                      global_batch: int, max_staleness: int | None) -> int | None:
+    """How many fresh prompt groups, from cursor position `next_position` on, may go to a rollout
+    generating with `weight_version`; None = no limit (laminar).
+
+    Global-batch modes: group p belongs to global batch p // global_batch, which may be generated
+    with weights v iff `may_start_batch(p // B, v, bound)`, so the positions allowed are
+    [v * B, (v + bound + 1) * B). Partial: AReaL's `may_submit` with the learner version, so
+    positions below (learner_version + eta + 1) * B.
+    """
+    check_mode(mode)
+    _check_version("next_position", next_position)
+    _check_version("weight_version", weight_version)
+    _check_version("learner_version", learner_version)
+    if uses_global_batches(mode):
+        bound = staleness_bound(mode, max_staleness=max_staleness if mode == "stream" else None)
+        if next_position // global_batch < weight_version:
+            return 0
+        return max(0, (weight_version + bound + 1) * global_batch - next_position)
+    if mode == "partial":
+        if max_staleness is None:
+            return None
+        return max(0, (learner_version + max_staleness + 1) * global_batch - next_position)
+    return None
+
+
+def refills_continuously(mode: str) -> bool:
+    """Whether a rollout takes new groups whenever it has free slots (partial rollout), instead of
+    taking a whole batch when idle and draining it on one version (every other mode)."""
+    return check_mode(mode) == "partial"
+
+
+def may_pull_weights(mode: str, *, in_flight: int, released: bool) -> bool:
+    """Whether a rollout may load newer weights now: when its batch is done or it was released
+    by repack [P §4]; in partial mode at any time (in-flight trajectories are interrupted)."""
+    return interrupts_on_publish(mode) or in_flight == 0 or released
+
+
+def repacks(mode: str, *, enabled: bool) -> bool:
+    """Repack runs in laminar mode only (it needs single-version batches that drain)."""
+    return enabled and check_mode(mode) == "laminar"
+
+
+def batch_of(position: int, global_batch: int) -> int:
+    """Global batch index of the group issued at cursor position `position`."""
+    _check_version("position", position)
+    return position // global_batch
+
+
+def batch_of(position: int, global_batch: int) -> int:
+    """Global batch index of the item at `position` in the prompt stream (FIFO batches).
+
+    Units are the caller's (groups or trajectories), the same for both arguments.
+    """
+    _check_version("position", position)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch: expected an int >= 1, got {global_batch!r}")
+    return position // global_batch
+
+
+def fresh_issue_limit(mode: str, *, next_position: int, weight_version: int,
+                      learner_version: int, global_batch: int,
+                      max_staleness: int | None) -> int | None:
+    """How many fresh items, from stream position `next_position` on, may go out now.
+
+    Global-batch modes: the consecutive positions whose batch k = position // global_batch may
+    be generated on `weight_version` (`may_start_batch` with the mode's bound), i.e. up to the
+    end of batch weight_version + bound, and none while next_position's batch is older than
+    weight_version. partial: the consecutive submissions `may_submit` allows at
+    `learner_version` (None when eta is None). laminar: None (no limit).
+    """
+    check_mode(mode)
+    _check_version("next_position", next_position)
+    _check_version("weight_version", weight_version)
+    _check_version("learner_version", learner_version)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch: expected an int >= 1, got {global_batch!r}")
+    if mode == "laminar":
+        return None
+    if mode == "partial":
+        eta = staleness_bound(mode, max_staleness=max_staleness)
+        if eta is None:
+            return None
+        return max(0, (learner_version + eta + 1) * global_batch - next_position)
+    bound = staleness_bound(mode, max_staleness=max_staleness)
+    if batch_of(next_position, global_batch) < weight_version:
+        return 0
+    return max(0, (weight_version + bound + 1) * global_batch - next_position)
+
+
+def may_pull_weights(mode: str, *, in_flight: int, released: bool = False) -> bool:
+    """May a rollout load newer weights now?
+
+    partial: at any time (the load interrupts and re-prefills in-flight work). Every other
+    mode: only between batches (nothing in flight) or once released by repack, so a
+    trajectory never spans versions.
+    """
+    check_mode(mode)
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0:
+        raise ValueError(f"in_flight: expected an int >= 0, got {in_flight!r}")
+    if mode == "partial":
+        return True
+    return in_flight == 0 or bool(released)
+
+
+def refills_continuously(mode: str) -> bool:
+    """Whether a rollout takes new prompts while it still generates (partial rollout)."""
+    return check_mode(mode) == "partial"
+
+
+def repacks(mode: str, *, enabled: bool) -> bool:
+    """Whether the manager runs the repack plan: laminar only, when enabled."""
+    return check_mode(mode) == "laminar" and bool(enabled)

@@ -1,0 +1,123 @@
+"""Starting and stopping the actors of one run (DESIGN.md, "Processes"): data, learner, relays,
+rollouts, manager. `Fleet.start(cfg, run_dir, model_dir)` returns the handles; the driver runs the
+loop. Every actor takes 0 logical CPUs; rollouts are spread over the nodes (one relay per node)."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from laminar_jax.data.datasets import load_dataset
+from laminar_jax.data.factory import buffer_kwargs, prompt_pool_kwargs
+from laminar_jax.data.prompt_pool import PromptEncoder
+from laminar_jax.manager.manager import RolloutManager
+from laminar_jax.rewards.registry import RewardScorer, resolve_reward
+from laminar_jax.runtime import cluster, engines
+from laminar_jax.runtime.data_actor import DataActor
+from laminar_jax.runtime.learner_actor import Learner
+from laminar_jax.runtime.weights_source import RelaySource, StoreSource
+from rollout.worker import RolloutWorker
+
+
+@dataclass
+class Fleet:
+    data: Any
+    learner: Any
+    manager: Any
+    workers: dict[str, Any]
+    loops: dict[str, Any]
+    relays: Any = None
+    manager_loop: Any = None
+    bad_rows: list = field(default_factory=list)
+
+    @classmethod
+    def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
+              latency_model: Any = None, resume: bool = True) -> "Fleet":
+        mesh = cfg.mesh
+        learner_devices = max(1, mesh.data) * mesh.fsdp * mesh.tensor
+        kind = cluster.accelerator_kind()
+        need = cluster.check_resources(cfg, learner_devices)
+        reward = resolve_reward(cfg.reward, answer_field=cfg.data.answer_field)
+        tokenizer = engines.tokenizer_for(model_dir)
+        dataset = load_dataset(cfg.data, seed=cfg.run.seed)
+        pool_kw = prompt_pool_kwargs(cfg.data, seed=cfg.run.seed, dataset=dataset,
+                                     encode=PromptEncoder(tokenizer, chat_template=cfg.data.chat_template))
+        data = ray.remote(DataActor).options(num_cpus=0, max_concurrency=1).remote(
+            pool_kw, buffer_kwargs(cfg.data, seed=cfg.run.seed), mode=cfg.manager.mode,
+            global_batch=cfg.learner.global_batch_groups, max_staleness=cfg.manager.max_staleness)
+        nodes = cluster.alive_nodes()
+        learner = ray.remote(Learner).options(**cluster.actor_options(
+            kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4)).remote(
+            cfg, run_dir, data, resume=resume)
+        store = ray.get(learner.weight_store.remote())
+        mcfg = engines.model_config(cfg, model_dir)
+        relays, prefix = None, f"laminar-relay-{cfg.run.name}-{uuid.uuid4().hex[:6]}"
+        if cfg.relay.enabled:
+            from laminar_jax.weights.relay_group import RelayGroup
+            relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=cfg.relay.num_chunks or None,
+                                t_byte=cfg.relay.t_byte_s, t_start=cfg.relay.t_start_s, prefix=prefix,
+                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m))],
+                                events=events, runtime_env={"env_vars": {
+                                    "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})
+        ray.get(learner.publish.remote())
+        workers, loops = {}, {}
+        for i in range(cfg.rollout.num_rollouts):
+            rid = f"rollout-{i}"
+            source = RelaySource(prefix) if relays is not None else StoreSource(store, mcfg)
+            factory = engines.EngineFactory(cfg, model_dir, seed=cfg.run.seed * 1000 + i, latency_model=latency_model)
+            opts = cluster.actor_options(kind, need["rollout"], node=nodes[i % len(nodes)], max_concurrency=8)
+            workers[rid] = ray.remote(RolloutWorker).options(**opts).remote(
+                rid, cfg, data, source, factory, tokenizer, RewardScorer(reward))
+            loops[rid] = workers[rid].run.remote()
+        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(cfg, workers, data)
+        fleet = cls(data, learner, manager, workers, loops, relays, bad_rows=list(dataset.bad_rows))
+        fleet.manager_loop = manager.run.remote()
+        return fleet
+
+    def live_stats(self) -> list[dict]:
+        """Stats of the rollouts the manager still counts as live."""
+        live = ray.get(self.manager.report.remote())["live"]
+        out = []
+        for rid in live:
+            try:
+                out.append(ray.get(self.workers[rid].stats.remote(), timeout=30))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+        return out
+
+    def drain_events(self, *, check_relays: bool = True) -> list[dict]:
+        recs = []
+        for handle in list(self.workers.values()) + [self.manager]:
+            try:
+                recs += ray.get(handle.drain_events.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+        if self.relays is not None:
+            if check_relays:
+                self.relays.check()
+            self.relays.collect_events()
+        return recs
+
+    def stop(self) -> list[dict]:
+        """Stops loops and actors; returns the last events."""
+        ray.get(self.manager.stop.remote())
+        ray.get(self.manager_loop)
+        for w in self.workers.values():
+            try:
+                w.stop.remote()
+            except Exception:  # noqa: BLE001 - a killed rollout
+                pass
+        for rid, ref in self.loops.items():
+            try:
+                ray.get(ref, timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        events = self.drain_events()
+        events += ray.get(self.learner.close.remote())
+        if self.relays is not None:
+            self.relays.shutdown()
+        for handle in [self.learner, self.manager, self.data, *self.workers.values()]:
+            ray.kill(handle, no_restart=True)
+        return events

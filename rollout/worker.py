@@ -1,0 +1,269 @@
+"""RolloutWorker: one engine, the loop of DESIGN.md, and the manager's release / adopt.
+
+    loop:
+        if my batch is done, or I was released (partial mode: at any time):
+            load the newest weights from the local relay (or the weight store)
+        take whole prompt groups up to max_concurrency        (the mode may hold some back)
+        engine.step()                                          every running request +1 token
+        stream in-flight tokens to the PartialPool             every few tokens / seconds
+        finished group -> rewards -> ExperienceBuffer          with behaviour log-probs,
+                                                               gen_version, rollout id, timings
+    release(version) -> (groups, partials)   abort everything, hand back, pull newer weights
+    adopt(version, groups, partials) -> ok   re-prefill partials on the same version, go on
+
+The loop runs in `run()` (a long actor call); the other methods are called by the manager and
+the driver from other threads of the same actor and take the same lock, between engine steps.
+No JAX import at module level: the engine module brings its own (a GPU rollout with vLLM needs
+none).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import ray
+
+from laminar_jax.data.records import PartialTrajectory, PromptGroup, Trajectory, parse_request_id, request_id
+from laminar_jax.manager import modes
+from rollout.engine import Request, SamplingParams
+from laminar_jax.runtime.weights_source import WeightSource
+
+
+@dataclass
+class _Group:
+    group: PromptGroup
+    issued: float
+    done: dict = field(default_factory=dict)          # sample index -> PartialTrajectory (finished)
+    repacks: dict = field(default_factory=dict)       # sample index -> repack count
+    timings: dict = field(default_factory=dict)       # sample index -> (first_token, finished)
+
+
+class RolloutWorker:
+    """`RolloutWorker(rollout_id, cfg, data, weights, make_engine, tokenizer, reward)`.
+
+    weights: a `WeightSource` (local relay or weight store). make_engine(cfg_model, params_tree)
+    builds the engine on the first weights. tokenizer: decodes completions for the reward and
+    gives the stop tokens. reward: a `RewardScorer`.
+    """
+
+    def __init__(self, rollout_id: str, cfg: Any, data: Any, weights: WeightSource,
+                 make_engine: Callable, tokenizer: Any, reward: Any):
+        self.id, self.cfg, self.data, self.weights = rollout_id, cfg, data, weights
+        self.mode = cfg.manager.mode
+        self._make_engine, self.tokenizer, self.reward = make_engine, tokenizer, reward
+        self.engine = None
+        self.groups: dict[str, _Group] = {}
+        self.undelivered: list[list[Trajectory]] = []
+        self._lock, self._stop = threading.RLock(), threading.Event()
+        self._released, self.failed = False, None
+        self._events: list[dict] = []
+        self._steps_since_stream, self._last_stream = 0, time.time()
+        self._last_poll = 0.0
+        self.counters = dict(idle_s=0.0, busy_s=0.0, tokens=0, steps=0, kv_time=0.0, pulls=0,
+                             groups_delivered=0, reward_errors=0, released=0, adopted=0, interrupts=0)
+        r = cfg.rollout
+        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                       max_new_tokens=r.max_new_tokens,
+                                       stop_token_ids=tuple(tokenizer.stop_token_ids))
+        self.groups_per_batch = max(1, r.max_concurrency // cfg.data.group_size)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> str | None:
+        """Runs until `stop()`; returns the failure message if the engine or loop died."""
+        while not self._stop.is_set():
+            t0 = time.time()
+            try:
+                with self._lock:
+                    worked = self._tick()
+            except Exception as e:  # engine death: recorded; the manager evicts this rollout
+                self.failed = f"{type(e).__name__}: {e}"
+                self._event("rollout_failed", error=self.failed)
+                return self.failed
+            self.counters["busy_s" if worked else "idle_s"] += time.time() - t0
+            if not worked:
+                time.sleep(0.005)
+        return None
+
+    def _tick(self) -> bool:
+        in_flight = self.engine.has_unfinished() if self.engine is not None else False
+        if modes.may_pull_weights(self.mode, in_flight=int(in_flight), released=self._released):
+            self._maybe_pull(in_flight)
+        if self.engine is None:
+            return False
+        self._retry_undelivered()
+        if not self.undelivered and (not self.groups or modes.refills_continuously(self.mode)):
+            self._take()
+        if not self.engine.has_unfinished():
+            return False
+        finished = self.engine.step()
+        stats = self.engine.stats()
+        self.counters["steps"] += 1
+        self.counters["tokens"] += stats.num_running + len(finished)
+        self.counters["kv_time"] += stats.kv_used
+        for c in finished:
+            self._finish_sample(c)
+        self._steps_since_stream += 1
+        d = self.cfg.data
+        if self._steps_since_stream >= d.partial_every_tokens or time.time() - self._last_stream > d.partial_every_s:
+            self._stream()
+        return True
+
+    def _maybe_pull(self, in_flight: bool) -> None:
+        now = time.time()
+        if now - self._last_poll < 0.02 and self.engine is not None:
+            return
+        self._last_poll = now
+        current = -1 if self.engine is None else self.engine.weight_version
+        got = self.weights.newer_than(current)
+        if got is None:
+            return
+        version, tensors = got
+        if self.engine is None:
+            self.engine = self._make_engine(tensors, version)
+        else:
+            partials = self.engine.abort([p.request_id for p in self.engine.partials()]) if in_flight else []
+            self.engine.load_weights(tensors, version)
+            self.engine.add([p.to_request() for p in partials])
+            self.counters["interrupts"] += bool(partials)
+        self._released = False
+        self.counters["pulls"] += 1
+        self._event("pull", version=version, interrupted=int(in_flight),
+                    node=ray.get_runtime_context().get_node_id(), relay_node=self.weights.node())
+
+    def _take(self) -> None:
+        free = self.groups_per_batch - len(self.groups)
+        if free <= 0:
+            return
+        groups = ray.get(self.data.issue.remote(free, self.id, self.engine.weight_version))
+        now = time.time()
+        for g in groups:
+            self.groups[g.group_id] = _Group(g, now)
+            try:
+                self.engine.add([Request(rid, g.prompt_tokens, self.sampling, g.group_id) for rid in g.request_ids()])
+            except ValueError as e:  # a prompt the engine cannot take: counted, never dropped silently
+                self.engine.abort(g.request_ids())
+                del self.groups[g.group_id]
+                self.data.reject.remote(g.group_id, str(e))
+                self._event("group_rejected", group_id=g.group_id, error=str(e))
+
+    # ------------------------------------------------------------------ finished samples
+    def _record(self, p, finish_reason: str | None, group: _Group, index: int) -> PartialTrajectory:
+        return PartialTrajectory(p.group_id, index, self.id, p.prompt_tokens, p.response_tokens,
+                                 p.raw_logp, p.logp, p.versions, group.group.prompt_id,
+                                 group.repacks.get(index, 0), finish_reason)
+
+    def _finish_sample(self, c) -> None:
+        gid, index = parse_request_id(c.request_id)
+        group = self.groups[gid]
+        group.done[index] = self._record(c, c.finish_reason, group, index)
+        group.timings[index] = (c.timings.first_token or c.timings.finished, c.timings.finished)
+        if len(group.done) == group.group.group_size:
+            del self.groups[gid]
+            self.undelivered.append(self._trajectories(group))
+            self._retry_undelivered()
+
+    def _trajectories(self, group: _Group) -> list[Trajectory]:
+        g = group.group
+        texts = [self.tokenizer.decode([int(x) for x in group.done[i].response_tokens
+                                        if int(x) not in self.sampling.stop_token_ids])
+                 for i in range(g.group_size)]
+        out = []
+        for i, result in enumerate(self.reward.score_group(g, texts)):
+            p = group.done[i]
+            if result.error is not None:  # counted and logged; the sample scores 0
+                self.counters["reward_errors"] += 1
+                self._event("reward_error", **result.error.to_event())
+            first, done = group.timings.get(i, (time.time(), time.time()))
+            out.append(Trajectory(g.group_id, g.prompt_id, i, self.id, p.prompt_tokens, p.response_tokens,
+                                  p.behaviour_logp, p.sample_logp, p.token_versions,
+                                  int(p.token_versions[-1]) if p.num_tokens else self.engine.weight_version,
+                                  result.value if result.error is None else 0.0, p.finish_reason,
+                                  p.repack_count, {"issued": group.issued, "first_token": first, "finished": done}))
+        return out
+
+    def _retry_undelivered(self) -> None:
+        while self.undelivered:
+            if not ray.get(self.data.deliver.remote(self.undelivered[0])):
+                return  # buffer full: back-pressure, retry next tick
+            self.undelivered.pop(0)
+            self.counters["groups_delivered"] += 1
+
+    def _snapshot(self) -> list[PartialTrajectory]:
+        out = []
+        for p in self.engine.partials():
+            gid, index = parse_request_id(p.request_id)
+            out.append(self._record(p, None, self.groups[gid], index))
+        return out + [p for g in self.groups.values() for p in g.done.values()]
+
+    def _stream(self) -> None:
+        self.data.update_partials.remote(self._snapshot())
+        self._steps_since_stream, self._last_stream = 0, time.time()
+
+    # ------------------------------------------------------------------ manager calls
+    def release(self, version: int) -> tuple[list[PromptGroup], list[PartialTrajectory]] | None:
+        """Abort and hand back every unfinished group (repack source); None if no longer on
+        `version` or nothing is running. The next tick pulls the newest weights."""
+        with self._lock:
+            if self.engine is None or self.engine.weight_version != version or not self.groups:
+                return None
+            snapshot = self._snapshot()
+            self.engine.abort([p.request_id for p in self.engine.partials()])
+            groups = [g.group for g in self.groups.values()]
+            self.groups.clear()
+            self._released = True
+            self.counters["released"] += 1
+            self._event("released", version=version, groups=len(groups), trajectories=len(snapshot))
+            return groups, snapshot
+
+    def adopt(self, version: int, groups: list[PromptGroup], partials: list[PartialTrajectory]) -> bool:
+        """Take over groups on the same weight version (repack destination, failover); each
+        unfinished trajectory is re-prefilled (prompt + its tokens so far) and continues."""
+        with self._lock:
+            if self.engine is None or self.engine.weight_version != version:
+                return False
+            by_group = {g.group_id: _Group(g, time.time()) for g in groups}
+            requests = []
+            for p in partials:
+                group = by_group[p.group_id]
+                group.repacks[p.sample_index] = p.repack_count
+                if p.finish_reason is not None:
+                    group.done[p.sample_index] = p
+                    continue
+                if p.num_tokens and int(p.token_versions.min()) != version and not modes.interrupts_on_publish(self.mode):
+                    raise ValueError(f"adopt: trajectory {p.key} has tokens of version "
+                                     f"{int(p.token_versions.min())}, this rollout is on {version}")
+                requests.append(Request(request_id(p.group_id, p.sample_index), p.prompt_tokens, self.sampling,
+                                        p.group_id, p.response_tokens, p.sample_logp, p.behaviour_logp,
+                                        p.token_versions))
+            self.engine.add(requests)
+            self.groups.update(by_group)
+            for gid, group in by_group.items():
+                if len(group.done) == group.group.group_size:
+                    del self.groups[gid]
+                    self.undelivered.append(self._trajectories(group))
+            self.counters["adopted"] += len(partials)
+            self._event("adopted", version=version, groups=len(groups), trajectories=len(partials))
+            return True
+
+    def stats(self) -> dict:
+        """Heartbeat: engine stats, counters, failure."""
+        with self._lock:
+            s = self.engine.stats() if self.engine is not None else None
+            return {"id": self.id, "failed": self.failed, "node": ray.get_runtime_context().get_node_id(),
+                    "version": -1 if s is None else s.weight_version, "kv_used": 0.0 if s is None else s.kv_used,
+                    "num_running": 0 if s is None else s.num_running + s.num_waiting,
+                    "groups": len(self.groups), **self.counters}
+
+    def drain_events(self) -> list[dict]:
+        with self._lock:
+            out, self._events = self._events, []
+            return out
+
+    def _event(self, kind: str, **fields) -> None:
+        self._events.append({"kind": kind, "rollout": self.id, "t": time.time(), **fields})
+
+    def stop(self) -> None:
+        self._stop.set()

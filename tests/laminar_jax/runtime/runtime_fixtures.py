@@ -1,0 +1,47 @@
+"""Shared fixtures of the runtime tests: one emulated two-node Ray cluster per test session, and
+one supervised warm-up (the easy arithmetic task) whose Hugging Face checkpoint every run starts
+from. JAX's persistent compilation cache is shared by every actor, so later runs skip compiles."""
+import dataclasses
+import os
+
+import pytest
+import ray
+
+from laminar_jax.config import Config, load_config
+
+CACHE = "/tmp/laminar-test-jax-cache"
+
+
+def start_cluster():
+    """Two raylets on loopback (head + one worker node); reused when Ray is already up."""
+    if ray.is_initialized():
+        return None
+    from ray.cluster_utils import Cluster
+    env = {"JAX_COMPILATION_CACHE_DIR": CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PLATFORMS": "cpu"}
+    os.environ.update(env)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "include_dashboard": False})
+    cluster.add_node(num_cpus=8)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": env})
+    return cluster
+
+
+def base_config(tmp_dir: str, name: str, model_dir: str, **sections) -> Config:
+    """A short arithmetic run from the warm-up checkpoint; `sections` override dotted keys."""
+    overrides = [f"run.out_dir={tmp_dir}", f"run.name={name}", f"model.hf_path={model_dir}",
+                 "data.task=arithmetic", "data.group_size=8", "data.num_prompts=512", "data.task_max_n=9",
+                 "learner.global_batch_groups=4", "learner.max_seq_len=32", "rollout.max_new_tokens=8",
+                 "rollout.max_concurrency=32", "rollout.kv_budget_tokens=1024", "optimizer.lr=3e-4",
+                 "optimizer.schedule=constant", "manager.repack_interval_s=0.5", "run.steps=10",
+                 "reward.fn=task"]
+    overrides += [f"{k}={v}" for k, v in sections.items()]
+    return load_config("configs/default.yaml", overrides)
+
+
+def warm_up_model(tmp_dir: str) -> str:
+    from laminar_jax.learner import sft
+    cfg = load_config("configs/default.yaml", [f"run.out_dir={tmp_dir}", "run.name=warm", "data.task=arithmetic",
+                                               "sft.steps=100", "sft.batch_size=32", "sft.seq_len=32",
+                                               "run.log_every=100"])
+    return sft.run(cfg)["model_dir"]

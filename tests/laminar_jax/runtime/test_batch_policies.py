@@ -1,0 +1,104 @@
+"""Pure parts of the runtime: batch assembly, the modes' issue rules, and the data actor's gating
+and ledger (in-process, no Ray)."""
+import numpy as np
+import pytest
+
+from laminar_jax.data.records import PromptRow, Trajectory
+from laminar_jax.manager import modes
+from laminar_jax.runtime import batch as B
+from laminar_jax.runtime.data_actor import DataActor
+
+
+def traj(gid, i, prompt, resp, versions, reward=1.0):
+    n = len(resp)
+    return Trajectory(gid, "p", i, "r0", np.asarray(prompt), np.asarray(resp), -np.arange(1, n + 1) / 10,
+                      -np.arange(1, n + 1) / 10, np.asarray(versions), int(versions[-1]), reward, "stop")
+
+
+def test_assemble_aligns_tokens_logp_and_staleness():
+    g0 = [traj("e0-0", 0, [5, 6], [7, 8, 9], [2, 2, 3]), traj("e0-0", 1, [5, 6], [7], [3], 0.0)]
+    out = B.assemble([g0], learner_version=4, max_seq_len=64, min_len=8)
+    assert out["tokens"].shape == (2, 8)
+    np.testing.assert_array_equal(out["tokens"][0, :5], [5, 6, 7, 8, 9])
+    np.testing.assert_array_equal(out["response_mask"][0], [0, 0, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_allclose(out["behaviour_logp"][0, 2:5], [-0.1, -0.2, -0.3], rtol=1e-6)
+    np.testing.assert_array_equal(out["staleness"][0, 2:5], [2, 2, 1])
+    np.testing.assert_array_equal(out["segment_ids"][1], [1, 1, 1, 0, 0, 0, 0, 0])
+    assert out["rewards"].tolist() == [1.0, 0.0] and out["group_ids"].tolist() == [0, 0]
+    stats = B.staleness_stats([g0], 4)
+    assert stats["staleness_max"] == 2 and stats["mixed_version_frac"] == 0.5
+
+
+def test_bucket_len_and_errors():
+    assert B.bucket_len(17, max_len=256, min_len=16) == 32
+    assert B.bucket_len(3, max_len=256, min_len=64) == 64
+    assert B.bucket_len(200, max_len=200) == 200
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        B.bucket_len(9, max_len=8)
+
+
+def test_issue_limit_matches_may_start_batch():
+    for mode in ("sync", "one_step", "stream"):
+        for v in range(4):
+            for pos in range(v * 4, v * 4 + 12):
+                limit = modes.fresh_issue_limit(mode, next_position=pos, weight_version=v, learner_version=v,
+                                                global_batch=4, max_staleness=1)
+                allowed = [p for p in range(pos, pos + 40)
+                           if modes.may_start_batch(p // 4, v, bound=modes.staleness_bound(mode, max_staleness=1))]
+                # the limit counts exactly the consecutive allowed positions from the cursor on
+                run = 0
+                while pos + run in allowed:
+                    run += 1
+                assert limit == run, (mode, v, pos)
+    assert modes.fresh_issue_limit("laminar", next_position=99, weight_version=0, learner_version=0,
+                                   global_batch=4, max_staleness=None) is None
+    # partial: AReaL's may_submit, group by group
+    for lv in range(3):
+        limit = modes.fresh_issue_limit("partial", next_position=5, weight_version=0, learner_version=lv,
+                                        global_batch=4, max_staleness=1)
+        run = 0
+        while modes.may_submit(5 + run, lv, batch_size=4, eta=1):
+            run += 1
+        assert limit == run
+
+
+def make_actor(mode):
+    rows = [PromptRow(f"q{i}", f"{i}+1=", str(i + 1), {"task": "arithmetic", "answer": str(i + 1)}) for i in range(10)]
+    return DataActor(dict(rows=rows, group_size=2, shuffle=False, encode=lambda s: [3, 4]),
+                     dict(capacity_groups=16), mode=mode, global_batch=2, max_staleness=1)
+
+
+def deliver(actor, group, version):
+    ts = [traj(group.group_id, i, [3, 4], [5], [version]) for i in range(2)]
+    assert actor.deliver(ts)
+
+
+def test_sync_gating_and_batch_sampling():
+    a = make_actor("sync")
+    got = a.issue(5, "r0", weight_version=0)
+    assert [g.group_id for g in got] == ["e0-0", "e0-1"], "sync: batch 0 only, on version 0"
+    assert a.issue(5, "r1", weight_version=0) == []
+    deliver(a, got[1], 0)
+    assert a.sample(2, 0, batch_index=0) == [], "batch 0 is not complete yet"
+    deliver(a, got[0], 0)
+    batch = a.sample(2, 0, batch_index=0)
+    assert sorted(t[0].group_id for t in batch) == ["e0-0", "e0-1"]
+    assert [g.group_id for g in a.issue(5, "r0", weight_version=1)] == ["e0-2", "e0-3"]
+    acc = a.accounting()
+    assert acc["issued"] == 4 and acc["consumed"] == 2 and acc["in_flight"] == 2 and acc["unaccounted"] == 0
+
+
+def test_requeue_and_orphans_keep_the_ledger():
+    a = make_actor("laminar")
+    got = a.issue(3, "r0", weight_version=0)
+    deliver(a, got[0], 0)
+    groups, partials = a.orphans("r0")
+    assert [g.group_id for g in groups] == ["e0-1", "e0-2"]
+    a.requeue([g.group_id for g in groups] + ["e0-0"])
+    acc = a.accounting()
+    assert acc["requeued"] == 2 and acc["buffered"] == 1 and acc["unaccounted"] == 0
+    again = a.issue(1, "r1", weight_version=0)
+    assert again[0].group_id == "e0-1" and again[0].attempt == 1
+    a.reject("e0-2", "prompt too long")
+    acc = a.accounting()
+    assert acc["rejected"] == 1 and acc["unaccounted"] == 0
