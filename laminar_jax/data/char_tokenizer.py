@@ -56,7 +56,10 @@ class CharTokenizer:
         for i in ids:
             tok = self.id_to_token.get(int(i))
             if tok is None:
-                raise ValueError(f"CharTokenizer.decode: id {int(i)} is outside the vocabulary [0, {len(self)})")
+                # A model's vocabulary is often padded past the tokenizer's; a sampled padding id
+                # decodes to U+FFFD so the completion stays visibly wrong instead of crashing.
+                out.append("\ufffd")
+                continue
             if skip_special_tokens and tok in SPECIAL_TOKENS:
                 continue
             out.append(tok)

@@ -1,0 +1,483 @@
+"""Discrete-event core: clock, rollouts, learner, relay tier, failures and statistics.
+
+A `Sim` simulates one cell (one system on one placement). Scheduling decisions belong to the
+mode's policy (`laminar_jax.sim.policies`), which calls back into the core; the core owns the
+mechanics every mode shares: decode (via `Rollout`), tool calls, group completion, learner
+updates, the relay chain (`laminar_jax.weights.chain`), failures and the statistics a run
+reports. Deterministic for a given seed: ties in time are broken by insertion order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+import numpy as np
+
+from laminar_jax.manager import modes
+from laminar_jax.sim import models
+from laminar_jax.sim.config import CellSpec, SimConfig
+from laminar_jax.sim.rollout import Rollout, TrajStore
+from laminar_jax.weights import chain
+
+__all__ = ["Sim"]
+
+_GROUP_CHUNK = 256
+
+
+class Sim:
+    """One simulated run of `cfg.system(cell.system)` on the placement of `cell`."""
+
+    def __init__(self, cfg: SimConfig, cell: CellSpec):
+        self.cfg = cfg
+        self.cell = cell
+        self.system = cfg.system(cell.system)
+        self.mode = self.system.mode
+        self.B = cfg.run.global_batch
+        self.gs = cfg.workload.group_size
+        if self.B % self.gs:
+            raise ValueError(f"run.global_batch {self.B} is not a multiple of "
+                             f"workload.group_size {self.gs}")
+        if self.system.max_concurrency < self.gs:
+            raise ValueError(f"systems[{self.system.name}].max_concurrency "
+                             f"{self.system.max_concurrency} is below one group ({self.gs})")
+        self.wm = cfg.model.weights
+        self.tm = self.system.trainer or cfg.model.trainer
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = 0
+        self.stopped = False
+
+        # workload: common random numbers across systems (same seed -> same trajectories)
+        seed = np.random.SeedSequence(cfg.seed)
+        s_len, s_tool = seed.spawn(2)
+        self._rng_len = np.random.default_rng(s_len)
+        self._rng_tool = np.random.default_rng(s_tool)
+        self.ts = TrajStore()
+        self._next_group = 0
+        self.requeued: deque = deque()      # restarted trajectories, served before new groups
+        self.group_left: list[int] = []
+
+        # rollouts, placed tp-aligned on machines
+        tp = self.system.rollout_tp
+        apm = cfg.cluster.accelerators_per_machine
+        self.decode = models.DecodeModel(cfg.model.profile(tp), self.system.max_num_seqs,
+                                         overhead=cfg.model.decode_overhead,
+                                         step_overhead_s=cfg.model.decode_step_overhead_s)
+        self.rollouts = [
+            Rollout(i, (i * tp) // apm, tp, self.decode, self.ts,
+                    max_num_seqs=self.system.max_num_seqs, reserve=cfg.cluster.kv_reserve_tokens)
+            for i in range(cell.rollout // tp)
+        ]
+        self.machines = sorted({r.machine for r in self.rollouts})
+        self.by_machine: dict[int, list[Rollout]] = {}
+        for r in self.rollouts:
+            self.by_machine.setdefault(r.machine, []).append(r)
+
+        # relay tier: one relay per rollout machine, master first [P §4]
+        self.chain = chain.chain_order(self.machines, self.machines[0])
+        self._chain_pos = {m: j for j, m in enumerate(self.chain)}
+        self._arrival_cache: dict = {}
+        self.relay_join = {m: 0.0 for m in self.machines}
+        self.publishes: list[tuple[int, float]] = []   # (version, time the master holds it)
+        self.sync_time = models.global_sync_time(self.wm, cell.rollout)
+        self.pull_time = models.pull_time(self.wm, tp)
+
+        # learner
+        self.version = 0
+        self.learner_busy = False
+        self.learner_blocked_until = 0.0
+        self.learner_busy_int = 0.0
+        self._learner_t0 = 0.0
+        self.buffer: deque = deque()
+        self.consumed: list[tuple[int, int, float]] = []   # (traj, learner version, time)
+        self._step_tokens = 0
+        self._step_trajs: list[int] = []
+
+        # statistics
+        self.steps: list[dict] = []
+        self.events: list[dict] = []
+        self.kv_samples: list[dict] = []
+        self._sample_prev = (0.0, 0)
+        self.gen_role_int = 0.0          # colocated: time in generation phases
+        self._gen_role_since: float | None = 0.0
+        self.alive_int = 0.0             # rollout-seconds alive
+        self._alive_t = 0.0
+        self._alive_n = len(self.rollouts)
+        self._snap = self._snapshot()
+
+        from laminar_jax.sim import policies
+        self.policy = policies.make_policy(self)
+        self._refills = modes.refills_continuously(self.mode)
+
+    # ------------------------------------------------------------------ event queue
+    def push(self, t: float, fn, arg=None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def log(self, kind: str, **fields) -> None:
+        self.events.append({"kind": kind, "time": self.now, **fields})
+
+    def run(self) -> "Sim":
+        run = self.cfg.run
+        target = run.warmup_steps + run.measure_steps
+        for f in self.cfg.failures:
+            self.push(f.time_s, self._fail, f)
+        self.push(0.0, self._sample)
+        self.policy.start()
+        heap = self._heap
+        pop = heapq.heappop
+        while heap and not self.stopped:
+            t, _, fn, arg = pop(heap)
+            self.now = t
+            fn(arg)
+            if len(self.steps) >= target:
+                break
+            if t > run.max_time_s or len(self.ts) > run.max_trajectories:
+                self.log("stopped", reason="max_time_s" if t > run.max_time_s
+                         else "max_trajectories")
+                break
+        return self
+
+    # ------------------------------------------------------------------ workload
+    def _new_groups(self, count: int) -> None:
+        wl = self.cfg.workload
+        prompts = models.sample_lengths(wl.prompt, self._rng_len, count, self.gs)
+        resp = models.sample_lengths(wl.response, self._rng_len, count, self.gs)
+        tools = models.sample_tools(wl.tools, self._rng_tool, resp)
+        for g in range(count):
+            sl = slice(g * self.gs, (g + 1) * self.gs)
+            p = int(prompts[g * self.gs])   # one prompt per group
+            self.ts.add_group([p] * self.gs, resp[sl].tolist(), tools[sl])
+            self.group_left.append(self.gs)
+
+    def take_groups(self, count: int) -> list[int]:
+        """The next `count` fresh prompt groups' trajectory ids (group-major)."""
+        first = self._next_group
+        need = first + count - len(self.ts.group_members)
+        if need > 0:
+            self._new_groups(max(need, _GROUP_CHUNK))
+        self._next_group += count
+        out = []
+        for g in range(first, first + count):
+            out.extend(self.ts.group_members[g])
+        return out
+
+    def take_trajectories(self, limit: int) -> list[int]:
+        """Requeued trajectories first, then whole fresh groups, at most `limit` in all."""
+        out = []
+        while self.requeued and len(out) < limit:
+            out.append(self.requeued.popleft())
+        groups = (limit - len(out)) // self.gs
+        if groups > 0:
+            out.extend(self.take_groups(groups))
+        return out
+
+    # ------------------------------------------------------------------ rollouts
+    def reschedule(self, r: Rollout) -> None:
+        r.epoch += 1
+        t = r.schedule()
+        if t is not None:
+            self.push(t, self._rollout_event, (r, r.epoch))
+
+    def assign(self, r: Rollout, ids, *, front: bool = False) -> None:
+        """Queue trajectories on rollout r and admit what fits."""
+        r.advance(self.now)
+        ts = self.ts
+        for i in ids:
+            ts.where[i] = r.idx
+        if front:
+            r.waiting.extendleft(reversed(list(ids)))
+        else:
+            r.waiting.extend(ids)
+        self.admit(r)
+        self.reschedule(r)
+
+    def admit(self, r: Rollout) -> None:
+        if r.waiting:
+            r.admit(self.now)
+
+    def drained(self, r: Rollout) -> bool:
+        return r.n == 0 and not r.waiting and not r.sleeping and r.incoming == 0
+
+    def _rollout_event(self, arg) -> None:
+        r, epoch = arg
+        if epoch != r.epoch or not r.alive:
+            return
+        now = self.now
+        r.advance(now)
+        if r.S < r.next_step:          # float guard: the event time is the target step
+            r.gen_tokens += r.n * (r.next_step - r.S)
+            r.S = r.next_step
+            r.t_ref = max(r.t_ref, r.next_time)
+        for i in r.pop_due():
+            self._segment_done(r, i)
+        r.preempt_overflow()
+        if self._refills:
+            self.policy.refill(r)
+        if r.waiting:
+            r.admit(now)
+        self.reschedule(r)
+        if self.drained(r):
+            r.heap.clear()
+            r.order.clear()
+            self.policy.on_drained(r)
+
+    def _segment_done(self, r: Rollout, i: int) -> None:
+        ts = self.ts
+        t = ts.tools[i]
+        k = ts.seg[i]
+        if t is None or k >= len(t[0]):
+            self._complete(i)
+            return
+        # tool call: KV freed; the output is appended and re-prefilled on return
+        ts.seg[i] = k + 1
+        ts.seg_end[i] = t[0][k + 1] if k + 1 < len(t[0]) else ts.resp[i]
+        ts.obs_done[i] += t[2]
+        r.sleeping.add(i)
+        self.push(self.now + t[1][k], self._tool_return, (i, ts.epoch[i]))
+
+    def _tool_return(self, arg) -> None:
+        i, epoch = arg
+        ts = self.ts
+        if ts.epoch[i] != epoch or ts.where[i] < 0:
+            return
+        r = self.rollouts[ts.where[i]]
+        if i not in r.sleeping or not r.alive:
+            return
+        r.sleeping.discard(i)
+        self.assign(r, [i])
+
+    def _complete(self, i: int) -> None:
+        ts = self.ts
+        ts.finish_t[i] = self.now
+        ts.where[i] = -1
+        g = ts.group[i]
+        self.group_left[g] -= 1
+        if self.group_left[g] == 0:
+            self.policy.on_group_done(g)
+
+    # ------------------------------------------------------------------ relays / weights
+    def relay_version(self, r: Rollout) -> int:
+        """Newest version complete at r's local relay now (chain time model, App. D)."""
+        pos = self._chain_pos.get(r.machine)
+        if pos is None:
+            return r.version
+        p = len(self.chain)
+        key = (pos, p)
+        arr = self._arrival_cache.get(key)
+        if arr is None:
+            arr = models.relay_arrival(self.wm, pos, p)
+            self._arrival_cache[key] = arr
+        join = self.relay_join[r.machine]
+        for v, t in reversed(self.publishes):
+            if max(t, join) + arr <= self.now:
+                return v
+        return 0
+
+    # ------------------------------------------------------------------ learner
+    def start_train(self, ids: list[int], duration: float, *, final: bool = True) -> None:
+        """The learner consumes `ids` (one mini-batch or a whole global batch) now."""
+        self.learner_busy = True
+        self._learner_t0 = self.now
+        v = self.version
+        for i in ids:
+            self.consumed.append((i, v, self.now))
+            self._step_trajs.append((i, v))
+        self.push(self.now + duration, self._train_done, final)
+
+    def _train_done(self, final: bool) -> None:
+        self.learner_busy = False
+        self.learner_busy_int += self.now - self._learner_t0
+        if final:
+            self.version += 1
+            self._record_step()
+        self.policy.on_train_done(final)
+
+    def block_learner(self, seconds: float) -> None:
+        """The learner stalls (publish / global sync) for `seconds` from now."""
+        self.learner_blocked_until = max(self.learner_blocked_until, self.now + seconds)
+
+    def learner_ready(self) -> bool:
+        return not self.learner_busy and self.now >= self.learner_blocked_until
+
+    def trajectory_tokens(self, ids) -> np.ndarray:
+        tt = self.ts.total_tokens
+        return np.fromiter((tt(i) for i in ids), dtype=np.float64, count=len(ids))
+
+    # ------------------------------------------------------------------ statistics
+    def set_gen_role(self, on: bool) -> None:
+        """Colocated placements: mark the start / end of a generation phase."""
+        if on and self._gen_role_since is None:
+            self._gen_role_since = self.now
+        elif not on and self._gen_role_since is not None:
+            self.gen_role_int += self.now - self._gen_role_since
+            self._gen_role_since = None
+
+    def _alive_update(self) -> None:
+        self.alive_int += self._alive_n * (self.now - self._alive_t)
+        self._alive_t = self.now
+        self._alive_n = sum(1 for r in self.rollouts if r.alive)
+
+    def _snapshot(self) -> dict:
+        for r in self.rollouts:
+            r.advance(self.now)
+        self._alive_update()
+        gen_role = self.gen_role_int + (self.now - self._gen_role_since
+                                        if self._gen_role_since is not None else 0.0)
+        learner = self.learner_busy_int + (self.now - self._learner_t0 if self.learner_busy
+                                           else 0.0)
+        return {
+            "time": self.now,
+            "busy": sum(r.busy_int - r.load_int for r in self.rollouts),
+            "kv": sum(r.kv_int / r.cap for r in self.rollouts),
+            "gen_tokens": sum(r.gen_tokens for r in self.rollouts),
+            "alive": self.alive_int,
+            "gen_role": gen_role,
+            "learner": learner,
+        }
+
+    def interval_stats(self, a: dict, b: dict) -> dict:
+        """Idle fractions, KV use and generation rate between two snapshots."""
+        dt = b["time"] - a["time"]
+        tp = self.system.rollout_tp
+        if self.system.colocated:
+            role = (b["gen_role"] - a["gen_role"]) * len(self.rollouts)
+        else:
+            role = b["alive"] - a["alive"]
+        busy = b["busy"] - a["busy"]
+        learner = b["learner"] - a["learner"]
+        rollout_idle = 1.0 - busy / role if role > 0 else float("nan")
+        if self.system.colocated:
+            learner_idle = 0.0
+            acc_idle = (role - busy) * tp / (self.cell.accelerators * dt) if dt > 0 else 0.0
+        else:
+            learner_idle = 1.0 - learner / dt if dt > 0 else float("nan")
+            acc_idle = (((role - busy) * tp + (dt - learner) * self.cell.train)
+                        / (self.cell.accelerators * dt)) if dt > 0 else float("nan")
+        return {
+            "rollout_idle_frac": rollout_idle,
+            "learner_idle_frac": learner_idle,
+            "accelerator_idle_frac": acc_idle,
+            "kv_use": (b["kv"] - a["kv"]) / role if role > 0 else float("nan"),
+            "gen_tokens_per_s": (b["gen_tokens"] - a["gen_tokens"]) / dt if dt > 0 else 0.0,
+        }
+
+    def _record_step(self) -> None:
+        pairs = self._step_trajs
+        self._step_trajs = []
+        ids = [i for i, _ in pairs]
+        tokens = int(self.trajectory_tokens(ids).sum())
+        prev_t = self.steps[-1]["time"] if self.steps else 0.0
+        snap = self._snapshot()
+        stats = self.interval_stats(self._snap, snap)
+        self._snap = snap
+        gv = self.ts.gen_version
+        stale = np.fromiter((modes.staleness(v, gv[i]) for i, v in pairs), dtype=np.int64,
+                            count=len(pairs))
+        dt = self.now - prev_t
+        self.steps.append({
+            "step": len(self.steps) + 1,
+            "time": self.now,
+            "version": self.version,
+            "trajectories": len(ids),
+            "tokens": tokens,
+            "iteration_s": dt,
+            "throughput": tokens / dt if dt > 0 else float("nan"),
+            "staleness_mean": float(stale.mean()) if stale.size else float("nan"),
+            "staleness_max": int(stale.max()) if stale.size else 0,
+            **stats,
+        })
+        self.log("publish", version=self.version)
+
+    def _sample(self, _=None) -> None:
+        for r in self.rollouts:
+            r.advance(self.now)
+        gen = sum(r.gen_tokens for r in self.rollouts)
+        prev_t, prev_gen = self._sample_prev
+        self._sample_prev = (self.now, gen)
+        alive = [r for r in self.rollouts if r.alive]
+        if alive:
+            use = np.array([r.kv() / r.cap for r in alive])
+            self.kv_samples.append({
+                "time": self.now,
+                "gen_tokens_per_s": (gen - prev_gen) / (self.now - prev_t)
+                if self.now > prev_t else 0.0,
+                "kv_use_mean": float(use.mean()),
+                "kv_use_p10": float(np.percentile(use, 10)),
+                "kv_use_p90": float(np.percentile(use, 90)),
+                "running": int(sum(r.n for r in alive)),
+                "waiting": int(sum(len(r.waiting) for r in alive)),
+                "alive_rollouts": len(alive),
+                "learner_version": self.version,
+            })
+        self.push(self.now + self.cfg.run.sample_interval_s, self._sample)
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, spec) -> None:
+        machine = self.machines[spec.machine % len(self.machines)]
+        dead = [r for r in self.by_machine[machine] if r.alive]
+        if not dead:
+            return
+        orphans, sleeping = [], []
+        for r in dead:
+            r.advance(self.now)
+            orphans.extend(r.extract())
+            sleeping.extend(r.sleeping)
+            r.sleeping = set()
+            r.incoming = 0
+            r.alive = False
+            r.phase = "dead"
+            self.reschedule(r)
+        self._alive_update()
+        if machine in self._chain_pos:
+            self.chain = chain.relink(self.chain, machine)
+            self._chain_pos = {m: j for j, m in enumerate(self.chain)}
+        self.log("failure", machine=machine, rollouts=[r.idx for r in dead],
+                 trajectories=len(orphans) + len(sleeping))
+        self.policy.on_fail(dead, orphans, sleeping)
+        self.push(self.now + spec.recovery_s, self._recover, machine)
+
+    def _recover(self, machine: int) -> None:
+        back = self.by_machine[machine]
+        for r in back:
+            r.alive = True
+            r.phase = "idle"
+            r.version = 0
+            r.S = 0
+            r.t_ref = self.now
+            r.t_stat = self.now
+            r.n = r.sum_base = r.sum_admit = 0
+            r.heap.clear()
+            r.order.clear()
+            r.waiting.clear()
+        self._alive_update()
+        self.chain = self.chain + (machine,)
+        self._chain_pos = {m: j for j, m in enumerate(self.chain)}
+        self.relay_join[machine] = self.now
+        self.log("recovery", machine=machine, rollouts=[r.idx for r in back])
+        self.policy.on_recover(back)
+
+    def restart_orphans(self, ids) -> list[int]:
+        """Trajectories whose progress is lost: restarted from their prompt."""
+        for i in ids:
+            self.ts.restart(i)
+            self.ts.where[i] = -1
+        return list(ids)
+
+    def summary(self) -> dict:
+        """Throughput and idle over the measured steps (after warm-up) [P §8 metric]."""
+        w = self.cfg.run.warmup_steps
+        meas = self.steps[w:]
+        if not meas:
+            return {"throughput": float("nan"), "steps": len(self.steps)}
+        out = {"throughput": float(np.mean([s["throughput"] for s in meas])),
+               "steps": len(self.steps), "measured_steps": len(meas),
+               "iteration_s": float(np.mean([s["iteration_s"] for s in meas]))}
+        for key in ("rollout_idle_frac", "learner_idle_frac", "accelerator_idle_frac",
+                    "kv_use", "gen_tokens_per_s", "staleness_mean"):
+            vals = [s[key] for s in meas if not math.isnan(s[key])]
+            out[key] = float(np.mean(vals)) if vals else float("nan")
+        out["staleness_max"] = int(max(s["staleness_max"] for s in meas))
+        return out

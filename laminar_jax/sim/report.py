@@ -1,0 +1,219 @@
+"""Results of simulated runs: run folders (same format as a real run) and the comparison table.
+
+A simulated cell writes the folder `metrics.RunWriter` writes for a real run, so
+`laminar_jax.analysis.load_run` reads both:
+- metrics.parquet: one row per learner update: throughput (paper definition: prompt + response
+  tokens of the batch over the time since the previous update), iteration time, staleness
+  mean / max, rollout / learner / accelerator idle fractions, KV use and generation rate
+  over the iteration, simulated time.
+- trajectories.parquet: one row per consumed trajectory (lengths, gen_version, consuming
+  learner version, staleness, rollout, repacks, preemptions, versions spanned, times).
+- events.jsonl: publishes, pulls, repacks, global syncs, interrupts, failures, KV samples
+  (kind "kv_sample"), and a final "summary" with the staleness histogram. Simulated times
+  are in the `sim_time` field (the writer's `time` is the wall clock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+import numpy as np
+
+from laminar_jax.config_loader import dump_config
+from laminar_jax.manager import modes
+
+__all__ = ["CellResult", "cell_result", "write_run", "staleness_histogram", "render_table",
+           "table_rows", "markdown_table", "speedups", "mean_ratio_error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CellResult:
+    """Summary of one simulated cell."""
+
+    system: str
+    mode: str
+    accelerators: int
+    train: int
+    rollout: int
+    throughput: float
+    paper: float | None
+    iteration_s: float
+    rollout_idle_frac: float
+    learner_idle_frac: float
+    accelerator_idle_frac: float
+    kv_use: float
+    gen_tokens_per_s: float
+    staleness_mean: float
+    staleness_max: int
+    staleness_hist: dict
+    steps: int
+    trajectories: int
+    sim_time_s: float
+    run_dir: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.throughput / self.paper if self.paper else float("nan")
+
+
+def staleness_histogram(sim, *, measured_only: bool = True) -> dict[int, int]:
+    """Consumed trajectories per staleness value (learner version at consumption - gen_version)."""
+    first = 0
+    if measured_only and sim.cfg.run.warmup_steps and len(sim.steps) > sim.cfg.run.warmup_steps:
+        first = sum(s["trajectories"] for s in sim.steps[: sim.cfg.run.warmup_steps])
+    gv = sim.ts.gen_version
+    hist: dict[int, int] = {}
+    for i, v, _ in sim.consumed[first:]:
+        s = modes.staleness(v, gv[i])
+        hist[s] = hist.get(s, 0) + 1
+    return dict(sorted(hist.items()))
+
+
+def cell_result(sim, run_dir: str | None = None) -> CellResult:
+    s = sim.summary()
+    c = sim.cell
+    nan = float("nan")
+    return CellResult(
+        system=c.system, mode=sim.mode, accelerators=c.accelerators, train=c.train,
+        rollout=c.rollout, throughput=s["throughput"], paper=c.paper_tokens_per_s,
+        iteration_s=s.get("iteration_s", nan),
+        rollout_idle_frac=s.get("rollout_idle_frac", nan),
+        learner_idle_frac=s.get("learner_idle_frac", nan),
+        accelerator_idle_frac=s.get("accelerator_idle_frac", nan),
+        kv_use=s.get("kv_use", nan), gen_tokens_per_s=s.get("gen_tokens_per_s", nan),
+        staleness_mean=s.get("staleness_mean", nan), staleness_max=s.get("staleness_max", 0),
+        staleness_hist=staleness_histogram(sim), steps=len(sim.steps),
+        trajectories=len(sim.ts), sim_time_s=sim.now, run_dir=run_dir)
+
+
+def _trajectory_rows(sim) -> list[dict]:
+    ts = sim.ts
+    rows = []
+    for i, v, t in sim.consumed:
+        tools = ts.tools[i]
+        calls = 0 if tools is None else len(tools[0])
+        rows.append({
+            "id": i,
+            "group": ts.group[i],
+            "prompt_len": ts.prompt[i],
+            "response_len": ts.resp[i] + (0 if tools is None else calls * tools[2]),
+            "tool_calls": calls,
+            "gen_version": ts.gen_version[i],
+            "learner_version": v,
+            "staleness": modes.staleness(v, ts.gen_version[i]),
+            "rollout": ts.first_rollout[i],
+            "repacks": ts.repacks[i],
+            "preemptions": ts.preempts[i],
+            "versions": ts.versions[i],
+            "start_time": ts.start_t[i],
+            "finish_time": ts.finish_t[i],
+            "consume_time": t,
+            "latency_s": ts.finish_t[i] - ts.start_t[i],
+        })
+    return rows
+
+
+def write_run(sim, run_dir: str | pathlib.Path, *, tensorboard: bool = True) -> CellResult:
+    """Write one simulated cell as a run folder; returns its summary."""
+    from laminar_jax.metrics import RunWriter
+
+    run_dir = pathlib.Path(run_dir)
+    config = {"sim": dump_config(sim.cfg), "cell": dataclasses.asdict(sim.cell),
+              "system": dataclasses.asdict(sim.system)}
+    result = cell_result(sim, str(run_dir))
+    with RunWriter(run_dir, config, flush_every=1 << 30, tensorboard=tensorboard) as w:
+        for row in sim.steps:
+            w.log_step(row["step"], {("sim_time" if k == "time" else k): v
+                                     for k, v in row.items() if k != "step"})
+        w.log_trajectories(_trajectory_rows(sim))
+        for ev in sim.events:
+            fields = {("sim_time" if k == "time" else k): v for k, v in ev.items() if k != "kind"}
+            w.log_event(ev["kind"], **fields)
+        for smp in sim.kv_samples:
+            w.log_event("kv_sample", **{("sim_time" if k == "time" else k): v
+                                        for k, v in smp.items()})
+        summary = dataclasses.asdict(result)
+        summary["staleness_hist"] = {str(k): v for k, v in result.staleness_hist.items()}
+        w.log_event("summary", **summary)
+    return result
+
+
+def table_rows(results: list[CellResult]) -> tuple[list[int], dict[str, dict[int, CellResult]]]:
+    """(sorted accelerator counts, {system: {accelerators: result}}) in first-seen order."""
+    scales = sorted({r.accelerators for r in results})
+    by_system: dict[str, dict[int, CellResult]] = {}
+    for r in results:
+        by_system.setdefault(r.system, {})[r.accelerators] = r
+    return scales, by_system
+
+
+def _fmt(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x / 1e5:.2f}"
+
+
+def render_table(results: list[CellResult], *, title: str, tolerance: float):
+    """A rich Table: simulated vs paper throughput (x1e5 tokens/s), one row per system."""
+    from rich.table import Table
+
+    scales, by_system = table_rows(results)
+    table = Table(title=title, show_lines=False)
+    table.add_column("system")
+    for n in scales:
+        table.add_column(f"{n} acc.\nsim / paper", justify="right")
+    for system, cells in by_system.items():
+        row = [system]
+        for n in scales:
+            r = cells.get(n)
+            if r is None:
+                row.append("")
+                continue
+            text = _fmt(r.throughput)
+            if r.paper:
+                ok = abs(r.ratio - 1.0) <= tolerance
+                colour = "green" if ok else "red"
+                text = f"{text} / {_fmt(r.paper)} [{colour}]({r.ratio:.2f})[/{colour}]"
+            row.append(text)
+        table.add_row(*row)
+    return table
+
+
+def speedups(results: list[CellResult], *, over: str, of: str = "laminar") -> dict[int, tuple]:
+    """{accelerators: (simulated speedup, paper speedup)} of system `of` over system `over`."""
+    _, by_system = table_rows(results)
+    out = {}
+    a, b = by_system.get(of, {}), by_system.get(over, {})
+    for n in sorted(set(a) & set(b)):
+        sim = a[n].throughput / b[n].throughput
+        paper = (a[n].paper / b[n].paper) if a[n].paper and b[n].paper else float("nan")
+        out[n] = (sim, paper)
+    return out
+
+
+def mean_ratio_error(results: list[CellResult]) -> float:
+    vals = [abs(r.ratio - 1.0) for r in results if r.paper]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def markdown_table(results: list[CellResult], *, tolerance: float) -> str:
+    """The comparison as a Markdown table: `sim / paper (ratio)` in 1e5 tokens/s per cell;
+    a ratio outside 1 +- tolerance is marked with **bold**."""
+    scales, by_system = table_rows(results)
+    lines = ["| system | " + " | ".join(f"{n}" for n in scales) + " |",
+             "|---|" + "---|" * len(scales)]
+    for system, cells in by_system.items():
+        row = []
+        for n in scales:
+            r = cells.get(n)
+            if r is None:
+                row.append("")
+            elif r.paper:
+                ratio = f"{r.ratio:.2f}"
+                if abs(r.ratio - 1.0) > tolerance:
+                    ratio = f"**{ratio}**"
+                row.append(f"{_fmt(r.throughput)} / {_fmt(r.paper)} ({ratio})")
+            else:
+                row.append(_fmt(r.throughput))
+        lines.append(f"| {system} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
