@@ -1,0 +1,73 @@
+"""The master relay's own step: a published checkpoint -> checksummed engine-layout chunks.
+
+Laminar §4.2, Fig 6 ("Concat", "Reshard"): the master gathers the learner's partitions and lays
+them out as the rollouts load them. Here: orbax restores the checkpoint to host numpy whatever mesh
+wrote it (`publish.read_path`), `flat.params_to_flat` writes the Hugging Face layout into one
+buffer, `flat.make_manifest` cuts it into k chunks and checksums each. k comes from the chain time
+model (`chain.optimal_chunks`) unless fixed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from laminar_jax.weights import flat
+from laminar_jax.weights.chain import optimal_chunks
+
+__all__ = ["MasterRole", "prepare", "prune"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterRole:
+    """What the master relay needs to turn a published checkpoint into chunks.
+
+    `chain_length` (relays in the chain, master included), `t_byte` and `t_start` feed
+    `chain.optimal_chunks` unless `num_chunks` fixes k. Chunks are also kept under
+    `max_chunk_bytes`: the time model counts only transfers, but each relay also checks and copies
+    a chunk, and it overlaps that with fetching the next one only if there is a next one (the
+    optimum for p = 2 is a single chunk); it also bounds the object-store slack per message.
+    """
+
+    store: Any                     # publish.WeightStore
+    cfg: Any                       # models.config.DecoderConfig
+    chain_length: int
+    num_chunks: int | None = None
+    t_byte: float = 1e-9           # Ray object transfer between nodes: ~1 GB/s (environment.md)
+    t_start: float = 2e-3          # per chunk: a put, an actor call and a pull
+    max_chunks: int = 256
+    max_chunk_bytes: int = 64 * 2**20
+    workers: int = dataclasses.field(default_factory=lambda: min(4, os.cpu_count() or 1))
+
+    def chunks_for(self, model_bytes: int) -> int:
+        if self.num_chunks is not None:
+            return max(1, min(self.num_chunks, model_bytes))
+        k = optimal_chunks(self.chain_length, model_bytes, self.t_byte, self.t_start,
+                           max_chunks=self.max_chunks)
+        return max(k, min(-(-model_bytes // self.max_chunk_bytes), self.max_chunks))
+
+
+def prepare(role: MasterRole, version: int, path: str
+            ) -> tuple[flat.Manifest, np.ndarray, dict[str, float]]:
+    """(manifest, flat buffer, seconds spent reading / converting / checksumming)."""
+    from laminar_jax.weights import publish   # imports orbax and jax: only masters pay for it
+
+    t0 = time.perf_counter()
+    params = publish.read_path(role.store, path)
+    t1 = time.perf_counter()
+    buffer, index = flat.params_to_flat(role.cfg, params, workers=role.workers)
+    del params
+    t2 = time.perf_counter()
+    manifest = flat.make_manifest(version, buffer, index, role.chunks_for(buffer.size))
+    t3 = time.perf_counter()
+    return manifest, buffer, {"read_s": t1 - t0, "convert_s": t2 - t1, "checksum_s": t3 - t2}
+
+
+def prune(role: MasterRole, version: int) -> list[int]:
+    """Deletes the store's versions older than `version`, now that the master holds it. The
+    newest stays: a master elected after a failure restores it from there."""
+    from laminar_jax.weights import publish
+    return publish.prune_store(role.store, version)

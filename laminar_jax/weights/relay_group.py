@@ -1,0 +1,239 @@
+"""The relay tier: one RelayWorker per node, wired into a chain, repaired on failure (Laminar §4.3).
+
+    group = RelayGroup(cfg, store, publisher=publisher, events=log)   # one relay per alive node
+    relay = group.relay_for(node_id)        # or, inside a rollout actor: local_relay()
+    group.check()                           # heartbeat round: evict dead relays, re-link
+    group.collect_events()                  # relay events into the group's event sink
+
+Placement: each relay is pinned to its node (hard node affinity) and named
+`{prefix}:{node_id}`, so a rollout worker finds the relay on its own node. The chain is
+`chain.chain_order(nodes, master_node)`; the master sits where it can read the weight store (the
+learner's node by default). `topology="fanout"` wires the master straight to every relay instead
+(the naive baseline of the benchmark).
+
+Faults: a relay that stops answering with an actor error is evicted and `chain.relink` cuts it
+out; its upstream is re-pointed at its downstream and resends the chunks the downstream lacks. If
+the master died, the next relay of the chain becomes master and the publisher (and every
+`on_master_change` callback) is told, so the newest published version is announced to it again.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from laminar_jax.weights import chain
+from laminar_jax.weights.master import MasterRole
+from laminar_jax.weights.relay import RelayWorker
+
+__all__ = ["RelayGroup", "local_relay", "DEFAULT_PREFIX"]
+
+DEFAULT_PREFIX = "laminar-relay"
+
+
+def _alive_nodes() -> list[str]:
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+
+def local_relay(prefix: str = DEFAULT_PREFIX, namespace: str | None = None) -> Any:
+    """The relay on the caller's node (for a rollout worker)."""
+    node = ray.get_runtime_context().get_node_id()
+    return ray.get_actor(f"{prefix}:{node}", namespace=namespace)
+
+
+class RelayGroup:
+    """Creates and supervises the relays.
+
+    Args:
+      cfg: the model's DecoderConfig (the master converts checkpoints with it).
+      store: the publisher's WeightStore.
+      nodes: node ids to place relays on (default: every alive Ray node), in chain order.
+      master_node: where the master goes (default: the store's node, else the caller's node).
+      topology: "chain" (pipelined chain, the paper's) or "fanout" (master sends to everyone).
+      num_chunks: fix k; None lets the master pick `chain.optimal_chunks` for each version.
+      t_byte, t_start, max_chunks, max_chunk_bytes: how the master picks k (`MasterRole`).
+      publisher: a `publish.Publisher` to point at the master now and after every failover.
+      on_master_change: more callbacks `(master_handle) -> None` (e.g. a remote learner's).
+      events: `(kind, **fields)` sink; `EventLog.add` is used for relay records when present.
+      prefix, namespace: actor names `{prefix}:{node_id}`.
+      runtime_env: extra runtime_env for relay processes (JAX_PLATFORMS=cpu is always set, so a
+        relay never takes an accelerator).
+      fetch_timeout_s, prefetch: per-relay settings (see RelayWorker).
+    """
+
+    def __init__(self, cfg: Any, store: Any, *, nodes: Sequence[str] | None = None,
+                 master_node: str | None = None, topology: str = "chain",
+                 num_chunks: int | None = None, t_byte: float = 1e-9, t_start: float = 2e-3,
+                 max_chunks: int = 256, max_chunk_bytes: int = 64 * 2**20, publisher: Any = None,
+                 on_master_change: Sequence[Callable[[Any], None]] = (),
+                 events: Callable[..., None] | None = None, prefix: str = DEFAULT_PREFIX,
+                 namespace: str | None = None, runtime_env: dict | None = None,
+                 fetch_timeout_s: float = 120.0, prefetch: int = 2):
+        if topology not in ("chain", "fanout"):
+            raise ValueError(f"RelayGroup: topology must be 'chain' or 'fanout', got {topology!r}")
+        nodes = list(nodes) if nodes is not None else _alive_nodes()
+        if not nodes:
+            raise ValueError("RelayGroup: no nodes to place relays on")
+        if master_node is None:
+            here = ray.get_runtime_context().get_node_id()
+            master_node = store.node_id if store.node_id in nodes else here
+        self.cfg, self.store, self.topology = cfg, store, topology
+        self._role_args = dict(num_chunks=num_chunks, t_byte=t_byte, t_start=t_start,
+                               max_chunks=max_chunks, max_chunk_bytes=max_chunk_bytes)
+        self._publisher = publisher
+        self._callbacks = list(on_master_change)
+        self._events = events or (lambda kind, **fields: None)
+        self.prefix, self.namespace = prefix, namespace
+        env = dict(runtime_env or {})
+        env["env_vars"] = {"JAX_PLATFORMS": "cpu", **env.get("env_vars", {})}
+        self._actor_options = dict(num_cpus=0, max_concurrency=64, namespace=namespace,
+                                   runtime_env=env, max_restarts=0)
+        self._worker_args = dict(fetch_timeout_s=fetch_timeout_s, prefetch=prefetch)
+        self.order: tuple[str, ...] = chain.chain_order(nodes, master_node)
+        self.relays: dict[str, Any] = {node: self._start(node) for node in self.order}
+        placed = ray.get([r.node_id.remote() for r in self.relays.values()])
+        for node, actual in zip(self.relays, placed):
+            if node != actual:
+                raise RuntimeError(f"RelayGroup: relay for node {node} started on {actual}")
+            self._events("relay_started", relay=node)
+        self._wire(self.order)
+        self._make_master()
+
+    # ------------------------------------------------------------------ placement and wiring
+    def _start(self, node: str) -> Any:
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+        actor = ray.remote(RelayWorker).options(name=f"{self.prefix}:{node}",
+                                                scheduling_strategy=strategy,
+                                                **self._actor_options)
+        return actor.remote(node, **self._worker_args)
+
+    def _chain_length(self) -> int:
+        # k is chosen for the pipeline depth; a fan-out has one hop per relay.
+        return len(self.order) if self.topology == "chain" else min(2, len(self.order))
+
+    def _configure_master(self) -> None:
+        # k depends on the chain length, so the master is told again whenever it changes.
+        role = MasterRole(store=self.store, cfg=self.cfg, chain_length=self._chain_length(),
+                          **self._role_args)
+        ray.get(self.master.configure_master.remote(role))
+
+    def _make_master(self) -> None:
+        """Makes the chain's head the master and tells the publisher and callbacks."""
+        self._configure_master()
+        master = self.master
+        if self._publisher is not None:
+            self._publisher.set_master(master)
+        for callback in self._callbacks:
+            callback(master)
+
+    def _downstream(self, order: Sequence[str]) -> dict[str, list]:
+        if self.topology == "fanout":
+            return {order[0]: [self.relays[n] for n in order[1:]]}
+        return {node: [] if down is None else [self.relays[down]]
+                for node, (_, down) in chain.links(order).items()}
+
+    def _wire(self, order: Sequence[str], only: set[str] | None = None) -> None:
+        calls = [self.relays[node].set_downstream.remote(down)
+                 for node, down in self._downstream(order).items()
+                 if only is None or node in only]
+        ray.get(calls)
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def master_node(self) -> str:
+        return self.order[0]
+
+    @property
+    def master(self) -> Any:
+        return self.relays[self.order[0]]
+
+    def relay_for(self, node_id: str) -> Any:
+        try:
+            return self.relays[node_id]
+        except KeyError:
+            raise KeyError(f"RelayGroup: no live relay on node {node_id!r}; "
+                           f"relays are on {list(self.order)}") from None
+
+    def status(self) -> dict[str, dict]:
+        return dict(zip(self.order, ray.get([self.relays[n].status.remote() for n in self.order])))
+
+    def collect_events(self) -> list[dict]:
+        """Drains every live relay's events into the group's sink; returns them."""
+        refs = [self.relays[n].drain_events.remote() for n in self.order]
+        recs = []
+        for ref in refs:
+            try:
+                recs.extend(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                pass   # a dead relay's last events are lost; `check` reports the relay itself
+        recs.sort(key=lambda r: r["t"])
+        add = getattr(self._events, "add", None)
+        for r in recs:
+            if add is not None:
+                add(r)
+            else:
+                self._events(r["kind"], **{k: v for k, v in r.items() if k != "kind"})
+        return recs
+
+    # ------------------------------------------------------------------ faults
+    def check(self, timeout_s: float = 10.0) -> list[str]:
+        """One heartbeat round; evicts relays whose actor is dead and re-links. Returns them."""
+        pings = {node: self.relays[node].ping.remote() for node in self.order}
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
+        dead = []
+        for node, ref in pings.items():
+            try:
+                ray.get(ref, timeout=0)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+                self._events("relay_slow", relay=node)
+            except ray.exceptions.RayActorError:
+                dead.append(node)
+        for node in dead:
+            self.remove(node, dead=True)
+        return dead
+
+    def remove(self, node: str, *, dead: bool = False) -> None:
+        """Takes a relay out of the chain (after a failure, or to retire its node)."""
+        if node not in self.relays:
+            raise KeyError(f"RelayGroup.remove: no relay on node {node!r}")
+        old_order = self.order
+        was_master = node == old_order[0]
+        self.order = chain.relink(old_order, node)
+        handle = self.relays.pop(node)
+        self._events("relay_dead" if dead else "relay_removed", relay=node)
+        if not dead:
+            ray.kill(handle, no_restart=True)
+        if not self.order:
+            return
+        self._events("relink", removed=node, order=list(self.order))
+        if was_master:
+            self._events("master_failover", old=node, new=self.order[0])
+            self._wire(self.order, only={self.order[0]})
+            self._make_master()
+        elif self.topology == "fanout":
+            self._wire(self.order, only={self.order[0]})
+        else:
+            upstream = old_order[old_order.index(node) - 1]
+            self._wire(self.order, only={upstream})
+        if not was_master:
+            self._configure_master()
+
+    def add(self, node: str) -> Any:
+        """A relay on a new node, appended to the chain; it receives the current version."""
+        if node in self.relays:
+            raise ValueError(f"RelayGroup.add: node {node!r} already has a relay")
+        self.relays[node] = self._start(node)
+        ray.get(self.relays[node].ping.remote())
+        tail = self.order[-1]
+        self.order = self.order + (node,)
+        self._events("relay_started", relay=node)
+        self._configure_master()
+        self._wire(self.order, only={self.order[0] if self.topology == "fanout" else tail})
+        return self.relays[node]
+
+    def shutdown(self) -> None:
+        for handle in self.relays.values():
+            ray.kill(handle, no_restart=True)
+        self.relays.clear()
+        self.order = ()

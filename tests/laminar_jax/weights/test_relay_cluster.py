@@ -1,0 +1,292 @@
+"""Relays on an emulated 4-node Ray cluster: publish, chain broadcast, pull, faults.
+
+Real Ray (each node its own raylet and object store, so chunks really move between stores), real
+orbax. The learner is this test process (8 fake CPU devices from conftest); relay processes get 1
+device, so every restore crosses topologies. One cluster and one relay group serve the whole
+module (start-up dominates CI time); the tests run in file order and the last two are the
+destructive ones (a relay, then the master, is killed). The weight store sits on the head node's
+tmpfs, not shared: after the master failover the new master reads it through a pinned task.
+"""
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+from flax import nnx
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from laminar_jax import sharding as shd
+from laminar_jax.learner import train_state as ts
+from laminar_jax.models import hf
+from laminar_jax.models.config import DecoderConfig
+from laminar_jax.models.decoder import Decoder
+from laminar_jax.weights import flat, publish
+from laminar_jax.weights.events import EventLog
+from laminar_jax.weights.relay import pull
+from laminar_jax.weights.relay_group import RelayGroup, local_relay
+
+# Ray starts its node processes with fork+exec after JAX is loaded; exec makes that safe.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
+CFG = DecoderConfig.preset("tiny")
+NUM_NODES = 4
+CHUNKS = 8
+ONE_DEVICE = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}}
+
+
+class Stack:
+    """Learner-side publisher plus the relay group, shared by the module's tests."""
+
+    def __init__(self, store_dir):
+        self.head = ray.get_runtime_context().get_node_id()
+        others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != self.head)
+        self.nodes = [self.head] + others
+        self.log = EventLog()
+        self.store = publish.WeightStore(str(store_dir), node_id=self.head, shared=False)
+        self.pub = publish.Publisher(self.store, dtype="bfloat16", events=self.log)
+        self.group = RelayGroup(CFG, self.store, nodes=self.nodes, publisher=self.pub,
+                                events=self.log, num_chunks=CHUNKS, prefix="test-relay",
+                                runtime_env=ONE_DEVICE, fetch_timeout_s=30.0)
+        self._versions = itertools.count(1)
+        init_fn = lambda: Decoder(CFG, rngs=nnx.Rngs(0))  # noqa: E731
+        self.sharded = ts.init_params(ts.shard_model(init_fn, shd.make_mesh(2, 2, 2)), init_fn)
+        self._shift = jax.jit(lambda tree, d: jax.tree.map(lambda x: x + d, tree))
+
+    def version(self) -> int:
+        return next(self._versions)
+
+    def params(self, seed: int):
+        """Sharded learner params, distinct per seed (same shardings, no recompile)."""
+        return self._shift(self.sharded, jnp.float32(seed) * 1e-3)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    c = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False))
+    for _ in range(NUM_NODES - 1):
+        c.add_node(num_cpus=2, object_store_memory=200 * 2**20, wait=False)
+    c.wait_for_nodes()
+    ray.init(address=c.address)
+    st = None
+    try:
+        st = Stack(tmp_path_factory.mktemp("weights") / "store")
+        yield st
+    finally:
+        if st is not None:
+            st.group.shutdown()
+            st.pub.close()
+        ray.shutdown()
+        c.shutdown()
+
+
+def _wait(pred, timeout_s=90.0, what="condition"):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _await_version(group, version, nodes=None):
+    for node in nodes or group.order:
+        got = pull(group.relay_for(node), newer_than=version - 1, timeout_s=90)
+        assert got is not None and got[0] >= version, f"relay {node} never got version {version}"
+
+
+def _expected(params):
+    """The learner's params cast to the rollout dtype, in the engine layout, independently of
+    flat.params_to_flat: HF tensors from models.hf, cast on the learner's devices."""
+    cast = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16)), params)
+    return flat.flatten(hf.params_to_hf(CFG, cast))
+
+
+def test_publish_then_pull_every_relay_sharded_and_unsharded(stack):
+    group, pub, log = stack.group, stack.pub, stack.log
+    assert len(set(group.order)) == NUM_NODES and group.master_node == stack.head
+    sharded = stack.params(1)
+    assert len(sharded["layers"]["q_kernel"].sharding.device_set) == 8
+    unsharded = nnx.to_pure_dict(nnx.split(Decoder(CFG, rngs=nnx.Rngs(1)), nnx.Param)[1])
+    versions = []
+    for params in (sharded, unsharded):
+        version = stack.version()
+        versions.append(version)
+        pub.publish(version, params)
+        _await_version(group, version)
+        want, want_index = _expected(params)
+        for node in group.order:
+            got_version, buffer, index = pull(group.relay_for(node))
+            assert got_version == version and index == want_index
+            assert np.array_equal(buffer, want), f"relay {node} holds different bytes"
+    # the served buffer lives in each relay's own object store (real transfers between nodes)
+    for node in group.order:
+        snap = ray.get(group.relay_for(node).latest.remote())
+        assert node in ray.experimental.get_object_locations([snap.buffer])[snap.buffer]["node_ids"]
+    # each relay holds one complete version and nothing arriving; the store keeps the newest
+    assert all(s["version"] == versions[1] and s["arriving"] is None for s in group.status().values())
+    _wait(lambda: stack.store.versions() == [versions[1]], what="store pruning")
+    group.collect_events()
+    assert versions[0] in log.records("store_pruned")[-1]["versions"]
+    assert {r["relay"] for r in log.records("relay_received", version=versions[1])} == set(group.order)
+
+
+def test_rollout_on_a_relay_node_reads_without_copy_and_gets_learner_logits(stack):
+    group = stack.group
+    params = stack.params(2)
+    version = stack.version()
+    stack.pub.publish(version, params)
+    _await_version(group, version)
+    tail = group.order[-1]
+
+    @ray.remote(num_cpus=0)
+    def rollout_pull(prefix):
+        relay = local_relay(prefix)
+        got_version, buffer, index = pull(relay)
+        again = ray.get(ray.get(relay.latest.remote()).buffer)
+        return (got_version, bool(buffer.flags.writeable), buffer.ctypes.data == again.ctypes.data,
+                ray.get_runtime_context().get_node_id(), np.asarray(buffer).copy(), index)
+
+    strategy = NodeAffinitySchedulingStrategy(tail, soft=False)
+    got_version, writeable, same_memory, node, buffer, index = ray.get(
+        rollout_pull.options(scheduling_strategy=strategy).remote(group.prefix))
+    assert (got_version, node) == (version, tail)
+    # a read-only view of the node's object store: two reads map the same memory
+    assert not writeable and same_memory
+    # The JAX engine is not written yet (engine issue): check instead that a Decoder loaded from
+    # the pulled buffer gives the logits of the learner's params cast to bfloat16.
+    pulled = flat.flat_to_params(CFG, buffer, index)
+    cast = jax.tree.map(lambda x: jax.device_get(x.astype(jnp.bfloat16)), params)
+    graphdef = nnx.split(Decoder(CFG, rngs=nnx.Rngs(0)), nnx.Param)[0]
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+
+    def logits(tree):
+        return np.asarray(nnx.merge(graphdef, jax.tree.map(jnp.asarray, tree))(tokens, positions))
+    got, want = logits(pulled), logits(cast)
+    assert np.isfinite(want).all()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_corrupt_or_truncated_chunk_is_rejected_and_previous_version_served(stack):
+    group, log = stack.group, stack.log
+    version = stack.version()
+    stack.pub.publish(version, stack.params(3))
+    _await_version(group, version)
+    node = group.order[2]
+    relay = group.relay_for(node)
+    _, good, index = pull(relay)
+    # An upstream that sends damaged bytes for the next two versions.
+    bad1, bad2 = stack.version(), stack.version()
+    fresh = np.random.default_rng(0).integers(0, 256, good.size, dtype=np.uint8)
+    manifest = flat.make_manifest(bad1, fresh, index, CHUNKS)
+    s, e = manifest.chunks[0]
+    corrupt = fresh[s:e].copy()
+    corrupt[10] ^= 0x40
+    relay.offer.remote(manifest, 0, [ray.put(corrupt)])
+    relay.offer.remote(flat.make_manifest(bad2, fresh, index, CHUNKS), 0, [ray.put(fresh[s:e - 5])])
+
+    def rejected():
+        group.collect_events()
+        return len(log.records("chunk_rejected", relay=node)) == 2
+    _wait(rejected, what="two rejections")
+    reasons = [r["reason"] for r in log.records("chunk_rejected", relay=node)]
+    assert "crc32" in reasons[0] and "truncated" in reasons[1]
+    got_version, buffer, _ = pull(relay)
+    assert got_version == version and np.array_equal(buffer, good)
+    # a later, intact chunk of a rejected version is ignored, never served
+    relay.offer.remote(manifest, 1, [ray.put(fresh[slice(*manifest.chunks[1])])])
+    assert ray.get(relay.wait_newer.remote(version, 1.0)) is None
+    assert ray.get(relay.status.remote())["arriving"] is None
+
+
+def test_fanout_topology_delivers_the_same_bytes(stack):
+    """The benchmark's naive baseline: the master sends every chunk to every relay itself."""
+    version = stack.pub.latest_written
+    fan = RelayGroup(CFG, stack.store, nodes=stack.nodes, topology="fanout", num_chunks=3,
+                     prefix="test-fanout", runtime_env=ONE_DEVICE)
+    try:
+        assert [s["downstream"] for s in fan.status().values()] == [NUM_NODES - 1, 0, 0, 0]
+        fan.master.publish.remote(version, stack.store.path(version))
+        _await_version(fan, version)
+        want = pull(stack.group.master)[1]
+        for node in fan.order:
+            assert np.array_equal(pull(fan.relay_for(node))[1], want), node
+    finally:
+        fan.shutdown()
+
+
+def test_publish_returns_while_distribution_is_stalled(stack):
+    group, log = stack.group, stack.log
+    first, second = (group.relay_for(n) for n in group.order[:2])
+    ray.get(second.hold.remote(0))      # the chain cannot get past the second relay
+    version = stack.version()
+    stack.pub.publish(version, stack.params(4))   # would never return if it waited for the chain
+    returned = log.records("publish_returned", version=version)
+    assert len(returned) == 1
+    _wait(lambda: ray.get(first.status.remote())["version"] == version, what="the master")
+    _wait(lambda: ray.get(second.status.remote())["arriving"] == version, what="relay 2")
+    assert all(s["version"] < version for s in list(group.status().values())[1:])
+    ray.get(second.release.remote())
+    _await_version(group, version)
+    group.collect_events()
+    received = {r["relay"]: r["t"] for r in log.records("relay_received", version=version)}
+    assert set(received) == set(group.order)
+    # every relay behind the stall completed after publish had returned
+    assert all(returned[0]["t"] < received[n] for n in group.order[1:])
+
+
+def test_chain_of_four_survives_killing_the_second_relay_mid_broadcast(stack):
+    group, log = stack.group, stack.log
+    first, second, third, fourth = group.order
+    ray.get(group.relay_for(second).hold.remote(3))   # forwards chunks 0..2, then stalls
+    params = stack.params(5)
+    version = stack.version()
+    stack.pub.publish(version, params)
+    _wait(lambda: ray.get(group.relay_for(fourth).status.remote())["arriving_chunks"] == 3,
+          what="three chunks at the tail")
+    ray.kill(group.relay_for(second), no_restart=True)
+    _wait(lambda: group.check() == [second], what="the heartbeat to see the dead relay")
+    assert group.order == (first, third, fourth)
+    _await_version(group, version)
+    want = _expected(params)[0]
+    for node in group.order:
+        assert np.array_equal(pull(group.relay_for(node))[1], want), node
+    group.collect_events()
+    assert log.records("relay_dead")[-1]["relay"] == second
+    assert log.records("relink")[-1]["order"] == [first, third, fourth]
+    # only what the third relay lacked was resent, by the master
+    resend = log.records("relay_resend", version=version)
+    assert [(r["relay"], r["chunks"]) for r in resend] == [(first, CHUNKS - 3)]
+    # a replacement relay on that node joins at the tail and gets the current version from it
+    group.add(second)
+    assert group.order == (first, third, fourth, second)
+    _await_version(group, version, nodes=[second])
+    assert np.array_equal(pull(group.relay_for(second))[1], want)
+
+
+def test_master_failover_elects_next_relay_and_tells_the_publisher(stack):
+    group, log, store = stack.group, stack.log, stack.store
+    old_master, next_in_chain = group.order[:2]
+    assert old_master == store.node_id
+    ray.kill(group.master, no_restart=True)
+    _wait(lambda: group.check() == [old_master], what="the heartbeat to see the dead master")
+    assert group.master_node == next_in_chain and not store.readable_from(next_in_chain)
+    failover = log.records("master_failover")
+    assert [(r["old"], r["new"]) for r in failover] == [(old_master, next_in_chain)]
+    # the publisher was pointed at the new master and announced its newest version again
+    latest = stack.pub.latest_written
+    assert log.records("publish_announced", version=latest)[-1]["t"] > failover[0]["t"]
+    params = stack.params(6)
+    version = stack.version()
+    stack.pub.publish(version, params)
+    _await_version(group, version)
+    for node in group.order:
+        assert np.array_equal(pull(group.relay_for(node))[1], _expected(params)[0]), node
+    group.collect_events()
+    assert [r["relay"] for r in log.records("master_restored", version=version)] == [next_in_chain]
+    _wait(lambda: store.versions() == [version], what="store pruning by the new master")
