@@ -1,0 +1,262 @@
+"""JAX continuous-batching engine with a paged KV cache (the embedded default; CPU and TPU).
+
+Scheduling, per `step()` (every running request gains exactly one token):
+1. Running requests that will write into a new page get one; when the pool is empty the most
+   recently admitted request is preempted: its pages are freed and it goes back to the head of the
+   queue with what it generated, to be re-prefilled later (as a resumed request is).
+2. Waiting requests are admitted first come, first served while a row (`max_num_seqs`) and the
+   pages for their prompt + prefix are free, up to `max_prefill_tokens` per step (KV budget).
+3. One jitted decode call for all previously running requests, one jitted prefill call per
+   length bucket for the admitted ones (`rollout.jax_steps`), sampling included
+   (`rollout.jax_sampling`: per-request keys, both log-probs of `rollout.engine`).
+4. Requests that hit a stop token, `max_new_tokens` or the context end are returned.
+
+Shapes are bucketed (rows and window pages are powers of two), so a steady workload runs without
+recompiling; `load_weights` swaps the params between steps, with no recompile either.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from laminar_jax.models.config import DecoderConfig
+from laminar_jax.models.decoder import from_params
+from laminar_jax.models.hf import hf_to_params, load_pretrained
+from rollout import engine as E
+from rollout.jax_steps import make_step_fns
+
+
+def _pow2_bucket(n: int, cap: int, floor: int = 1) -> int:
+    """Smallest power of two >= max(n, floor), capped at `cap` (cap itself is always a bucket)."""
+    return min(1 << max(max(n, floor) - 1, 0).bit_length(), cap)
+
+
+@dataclass
+class _Seq:
+    req: E.Request
+    seed: int
+    added: float
+    tokens: list = field(default_factory=list)      # response so far, prefix included
+    logp: list = field(default_factory=list)
+    raw_logp: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    pages: list = field(default_factory=list)
+    kv_len: int = 0                                  # positions written into the pages
+    first_token: float | None = None
+
+    @property
+    def context(self) -> int:
+        return self.req.prompt_tokens.shape[0] + len(self.tokens)
+
+    def snapshot(self, version: int) -> E.Partial:
+        return E.Partial(self.req.id, self.req.group_id, self.req.prompt_tokens,
+                         np.asarray(self.tokens, np.int64), np.asarray(self.logp, np.float32),
+                         np.asarray(self.raw_logp, np.float32), np.asarray(self.versions, np.int64),
+                         self.req.sampling, version)
+
+
+class JaxEngine:
+    """`JaxEngine(cfg, params, max_num_seqs=16, max_model_len=None, page_size=16, num_pages=None)`.
+
+    `params`: the decoder's params pure dict (numpy or jax leaves). `max_model_len` defaults to
+    `cfg.max_position_embeddings`; `num_pages` (the KV budget, in pages of `page_size` tokens)
+    defaults to enough for `max_num_seqs` full-length requests. `seed` seeds the per-request seeds
+    of requests without one. `min_rows` / `min_window_pages` raise the smallest row and window
+    buckets (fewer compiled shapes, more padding). Implements `rollout.engine.RolloutEngine`.
+    """
+
+    def __init__(self, cfg: DecoderConfig, params, *, max_num_seqs: int = 16, max_model_len: int | None = None,
+                 page_size: int = 16, num_pages: int | None = None, max_prefill_tokens: int = 4096,
+                 min_rows: int = 1, min_window_pages: int = 1, weight_version: int = 0, seed: int = 0):
+        self.cfg = cfg
+        self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"JaxEngine: max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        self.max_num_seqs, self.page_size = int(max_num_seqs), int(page_size)
+        self.pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.num_pages = int(num_pages or self.max_num_seqs * self.pages_per_seq)
+        if self.num_pages < self.pages_per_seq:
+            raise ValueError(f"JaxEngine: num_pages={self.num_pages} cannot hold one request of "
+                             f"max_model_len={self.max_model_len} ({self.pages_per_seq} pages of {page_size})")
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.min_rows, self.min_window_pages = int(min_rows), int(min_window_pages)
+        self.weight_version = int(weight_version)
+        self._graphdef, self._params = nnx.split(from_params(cfg, params), nnx.Param)
+        shape = (cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        self._k = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+        self._v = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+        self._decode_fn, self._prefill_fn = make_step_fns(self._graphdef)
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []
+        self._rng = np.random.default_rng(seed)
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_pretrained(cls, folder: str, **kwargs) -> "JaxEngine":
+        cfg, params = load_pretrained(folder)
+        return cls(cfg, params, **kwargs)
+
+    # ------------------------------------------------------------------ protocol
+    def add(self, requests: Iterable[E.Request]) -> None:
+        """Queue requests; all are validated first, so a bad one raises and none is added."""
+        requests = list(requests)
+        known = {s.req.id for s in self._running} | {s.req.id for s in self._waiting}
+        for req in requests:
+            E.validate_request(req, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len,
+                               known_ids=known)
+            known.add(req.id)
+        for req in requests:
+            seed = req.sampling.seed if req.sampling.seed is not None else int(self._rng.integers(2**32))
+            self._waiting.append(_Seq(req, seed, time.time(), req.prefix_tokens.tolist(), req.prefix_logp.tolist(),
+                                      req.prefix_raw_logp.tolist(), req.prefix_versions.tolist()))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def step(self) -> list[E.Completion]:
+        decoding = self._grow_pages()
+        admitted = self._admit()
+        if decoding:
+            self._run(decoding, prefill=False)
+        buckets: dict[int, list[_Seq]] = {}
+        for seq in admitted:
+            pages = _pow2_bucket(-(-seq.context // self.page_size), self.pages_per_seq, self.min_window_pages)
+            buckets.setdefault(pages, []).append(seq)
+        for group in buckets.values():
+            self._run(group, prefill=True)
+        return self._finish(decoding + admitted)
+
+    def abort(self, request_ids: Iterable[str]) -> list[E.Partial]:
+        ids = set(request_ids)
+        out = [s.snapshot(self.weight_version) for s in list(self._running) + list(self._waiting) if s.req.id in ids]
+        for seq in [s for s in self._running if s.req.id in ids]:
+            self._release(seq)
+        self._waiting = collections.deque(s for s in self._waiting if s.req.id not in ids)
+        return out
+
+    def partials(self) -> list[E.Partial]:
+        return [s.snapshot(self.weight_version) for s in list(self._running) + list(self._waiting)]
+
+    def load_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+        """Replace all weights (HF names and shapes, as `params_to_hf` gives them) between steps.
+
+        Everything is checked before anything changes: a missing, unexpected or mis-shaped tensor
+        raises ValueError naming it and the engine keeps its current weights. Running requests go
+        on with the new weights from their next token (their cached K/V stay as computed); the
+        per-token `versions` record the switch.
+        """
+        tree = hf_to_params(self.cfg, tensors, source=f"load_weights(version={version})",
+                            dtype=self.cfg.param_dtype)
+        new = jax.tree.map(lambda x: x, self._params)
+        nnx.replace_by_pure_dict(new, jax.tree.map(jnp.asarray, tree))
+        self._params = new
+        self.weight_version = int(version)
+
+    def stats(self) -> E.EngineStats:
+        used = self.num_pages - len(self._free_pages)
+        return E.EngineStats(kv_used=used / self.num_pages, kv_used_tokens=used * self.page_size,
+                             kv_capacity_tokens=self.num_pages * self.page_size,
+                             num_running=len(self._running), num_waiting=len(self._waiting),
+                             weight_version=self.weight_version)
+
+    # ------------------------------------------------------------------ scheduling
+    def _release(self, seq: _Seq) -> None:
+        self._free_pages.extend(reversed(seq.pages))
+        seq.pages, seq.kv_len = [], 0
+        self._running.remove(seq)
+
+    def _grow_pages(self) -> list[_Seq]:
+        """Give every running request the page its next write needs, preempting from the back."""
+        for seq in list(self._running):
+            if seq not in self._running:
+                continue
+            while seq.kv_len // self.page_size >= len(seq.pages) and not self._free_pages:
+                victim = self._running[-1]
+                self._release(victim)
+                self.num_preemptions += 1
+                self._waiting.appendleft(victim)
+                if victim is seq:
+                    break
+            if seq in self._running and seq.kv_len // self.page_size >= len(seq.pages):
+                seq.pages.append(self._free_pages.pop())
+        return list(self._running)
+
+    def _admit(self) -> list[_Seq]:
+        admitted, budget = [], self.max_prefill_tokens
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            need = -(-seq.context // self.page_size)
+            if need > len(self._free_pages) or (admitted and seq.context > budget):
+                break
+            self._waiting.popleft()
+            seq.pages = [self._free_pages.pop() for _ in range(need)]
+            budget -= seq.context
+            self._running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _run(self, seqs: list[_Seq], *, prefill: bool) -> None:
+        """One jitted call for `seqs`; appends the sampled token to each."""
+        s = _pow2_bucket(len(seqs), self.max_num_seqs, self.min_rows)
+        need_pages = max(-(-(seq.kv_len + 1) // self.page_size) if not prefill else
+                         -(-seq.context // self.page_size) for seq in seqs)
+        pw = _pow2_bucket(need_pages, self.pages_per_seq, self.min_window_pages)
+        rows = np.zeros((s, pw), np.int32)
+        valid = np.zeros((s,), bool)
+        temp, top_p = np.zeros((s,), np.float32), np.ones((s,), np.float32)
+        top_k, counters = np.zeros((s,), np.int32), np.zeros((s,), np.int32)
+        seeds = np.zeros((s,), np.uint32)
+        if prefill:
+            tokens, lengths = np.zeros((s, pw * self.page_size), np.int32), np.ones((s,), np.int32)
+        else:
+            tokens, lengths = np.zeros((s,), np.int32), np.zeros((s,), np.int32)
+        for i, seq in enumerate(seqs):
+            sp = seq.req.sampling
+            n = min(len(seq.pages), pw)
+            rows[i, :n] = seq.pages[:n]
+            valid[i], temp[i], top_p[i], top_k[i] = True, sp.temperature, sp.top_p, sp.top_k
+            seeds[i], counters[i] = seq.seed, len(seq.tokens)
+            if prefill:
+                ctx = np.concatenate([seq.req.prompt_tokens, np.asarray(seq.tokens, np.int64)])
+                tokens[i, :ctx.shape[0]], lengths[i] = ctx, ctx.shape[0]
+            else:
+                tokens[i], lengths[i] = seq.tokens[-1], seq.kv_len
+        fn = self._prefill_fn if prefill else self._decode_fn
+        self._k, self._v, nxt, logp, raw = fn(self._params, self._k, self._v, tokens, lengths, rows, valid,
+                                              temp, top_k, top_p, seeds, counters)
+        nxt, logp, raw = np.asarray(nxt), np.asarray(logp), np.asarray(raw)
+        now = time.time()
+        for i, seq in enumerate(seqs):
+            seq.kv_len = int(lengths[i]) if prefill else seq.kv_len + 1
+            seq.tokens.append(int(nxt[i]))
+            seq.logp.append(float(logp[i]))
+            seq.raw_logp.append(float(raw[i]))
+            seq.versions.append(self.weight_version)
+            seq.first_token = seq.first_token or now
+
+    def _finish(self, seqs: list[_Seq]) -> list[E.Completion]:
+        done = []
+        for seq in seqs:
+            sp = seq.req.sampling
+            if seq.tokens[-1] in sp.stop_token_ids:
+                reason = "stop"
+            elif len(seq.tokens) >= sp.max_new_tokens or seq.context >= self.max_model_len:
+                reason = "length"
+            else:
+                continue
+            self._release(seq)
+            p = seq.snapshot(self.weight_version)
+            done.append(E.Completion(p.request_id, p.group_id, p.prompt_tokens, p.response_tokens, p.logp,
+                                     p.raw_logp, p.versions, reason, seq.versions[-1],
+                                     seq.req.prefix_tokens.shape[0],
+                                     E.Timings(seq.added, seq.first_token, time.time())))
+        return done
