@@ -105,7 +105,7 @@ class OptimizerConfig:
     lr * min_lr_ratio over run.steps after warmup_steps of linear warmup.
     """
 
-    lr: float = 1e-3
+    lr: float = 3e-4
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
@@ -287,7 +287,7 @@ class DataConfig:
     task_max_n: int = 0
     shuffle: bool = True
     max_epochs: int = 0
-    buffer_groups: int = 64
+    buffer_groups: int = 8
     buffer_sampler: str = "fifo"
     buffer_when_full: str = "block"
     buffer_max_staleness: int | None = None

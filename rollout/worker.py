@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import ray
 
 from laminar_jax.data.records import PartialTrajectory, PromptGroup, Trajectory, parse_request_id, request_id
 from laminar_jax.manager import modes
 from rollout.engine import Request, SamplingParams
+from laminar_jax.runtime.rpc import call, node_id, send
 from laminar_jax.runtime.weights_source import WeightSource
 
 
@@ -63,7 +63,7 @@ class RolloutWorker:
         self._steps_since_stream, self._last_stream = 0, time.time()
         self._last_poll = 0.0
         self.counters = dict(idle_s=0.0, busy_s=0.0, tokens=0, steps=0, kv_time=0.0, pulls=0,
-                             groups_delivered=0, reward_errors=0, released=0, adopted=0, interrupts=0)
+                             groups_delivered=0, reward_errors=0, decode_errors=0, released=0, adopted=0, interrupts=0)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens,
@@ -131,13 +131,13 @@ class RolloutWorker:
         self._released = False
         self.counters["pulls"] += 1
         self._event("pull", version=version, interrupted=int(in_flight),
-                    node=ray.get_runtime_context().get_node_id(), relay_node=self.weights.node())
+                    node=node_id(), relay_node=self.weights.node())
 
     def _take(self) -> None:
         free = self.groups_per_batch - len(self.groups)
         if free <= 0:
             return
-        groups = ray.get(self.data.issue.remote(free, self.id, self.engine.weight_version))
+        groups = call(self.data.issue, free, self.id, self.engine.weight_version)
         now = time.time()
         for g in groups:
             self.groups[g.group_id] = _Group(g, now)
@@ -146,7 +146,7 @@ class RolloutWorker:
             except ValueError as e:  # a prompt the engine cannot take: counted, never dropped silently
                 self.engine.abort(g.request_ids())
                 del self.groups[g.group_id]
-                self.data.reject.remote(g.group_id, str(e))
+                call(self.data.reject, g.group_id, str(e))
                 self._event("group_rejected", group_id=g.group_id, error=str(e))
 
     # ------------------------------------------------------------------ finished samples
@@ -165,28 +165,55 @@ class RolloutWorker:
             self.undelivered.append(self._trajectories(group))
             self._retry_undelivered()
 
+    def _decode(self, tokens, key) -> str | None:
+        """The completion text, or None (logged and counted) when the tokenizer cannot decode it."""
+        try:
+            return self.tokenizer.decode([int(x) for x in tokens if int(x) not in self.sampling.stop_token_ids])
+        except Exception as e:  # noqa: BLE001 - a bad id must cost one sample, never the loop
+            self.counters["decode_errors"] += 1
+            self._event("decode_error", group_id=key[0], sample_index=key[1], error=f"{type(e).__name__}: {e}")
+            return None
+
+    def _scores(self, g: PromptGroup, texts: list[str | None]) -> list[float]:
+        """Rewards of a group; a reward that raises or is not finite scores 0, logged and counted."""
+        out = [0.0] * len(texts)
+        ok = [i for i, t in enumerate(texts) if t is not None]
+        try:
+            results = self.reward.score_group(g, [texts[i] for i in ok])
+        except Exception as e:  # noqa: BLE001 - a reward that is not a RewardScorer may raise
+            self.counters["reward_errors"] += len(ok)
+            self._event("reward_error", group_id=g.group_id, error=f"{type(e).__name__}: {e}")
+            return out
+        for i, result in zip(ok, results):
+            if result.error is not None:
+                self.counters["reward_errors"] += 1
+                fields = result.error.to_event()
+                fields["error_kind"] = fields.pop("kind", None)  # "kind" names the event itself
+                self._event("reward_error", **fields)
+            elif not np.isfinite(result.value):
+                self.counters["reward_errors"] += 1
+                self._event("reward_error", group_id=g.group_id, sample_index=i, error=f"value {result.value}")
+            else:
+                out[i] = float(result.value)
+        return out
+
     def _trajectories(self, group: _Group) -> list[Trajectory]:
         g = group.group
-        texts = [self.tokenizer.decode([int(x) for x in group.done[i].response_tokens
-                                        if int(x) not in self.sampling.stop_token_ids])
-                 for i in range(g.group_size)]
+        texts = [self._decode(group.done[i].response_tokens, (g.group_id, i)) for i in range(g.group_size)]
         out = []
-        for i, result in enumerate(self.reward.score_group(g, texts)):
+        for i, reward in enumerate(self._scores(g, texts)):
             p = group.done[i]
-            if result.error is not None:  # counted and logged; the sample scores 0
-                self.counters["reward_errors"] += 1
-                self._event("reward_error", **result.error.to_event())
             first, done = group.timings.get(i, (time.time(), time.time()))
             out.append(Trajectory(g.group_id, g.prompt_id, i, self.id, p.prompt_tokens, p.response_tokens,
                                   p.behaviour_logp, p.sample_logp, p.token_versions,
                                   int(p.token_versions[-1]) if p.num_tokens else self.engine.weight_version,
-                                  result.value if result.error is None else 0.0, p.finish_reason,
+                                  reward, p.finish_reason,
                                   p.repack_count, {"issued": group.issued, "first_token": first, "finished": done}))
         return out
 
     def _retry_undelivered(self) -> None:
         while self.undelivered:
-            if not ray.get(self.data.deliver.remote(self.undelivered[0])):
+            if not call(self.data.deliver, self.undelivered[0]):
                 return  # buffer full: back-pressure, retry next tick
             self.undelivered.pop(0)
             self.counters["groups_delivered"] += 1
@@ -199,7 +226,7 @@ class RolloutWorker:
         return out + [p for g in self.groups.values() for p in g.done.values()]
 
     def _stream(self) -> None:
-        self.data.update_partials.remote(self._snapshot())
+        send(self.data.update_partials, self._snapshot())  # the loop never waits on it
         self._steps_since_stream, self._last_stream = 0, time.time()
 
     # ------------------------------------------------------------------ manager calls
@@ -252,7 +279,7 @@ class RolloutWorker:
         """Heartbeat: engine stats, counters, failure."""
         with self._lock:
             s = self.engine.stats() if self.engine is not None else None
-            return {"id": self.id, "failed": self.failed, "node": ray.get_runtime_context().get_node_id(),
+            return {"id": self.id, "failed": self.failed, "node": node_id(),
                     "version": -1 if s is None else s.weight_version, "kv_used": 0.0 if s is None else s.kv_used,
                     "num_running": 0 if s is None else s.num_running + s.num_waiting,
                     "groups": len(self.groups), **self.counters}

@@ -21,6 +21,7 @@ import ray
 
 from laminar_jax.manager import modes
 from laminar_jax.manager.repack import RolloutLoad, plan
+from laminar_jax.runtime.rpc import call, send
 
 STATS_TIMEOUT_S = 30.0
 
@@ -66,11 +67,12 @@ class RolloutManager:
         return stats
 
     def _heartbeat(self) -> dict[str, dict]:
-        refs = {rid: h.stats.remote() for rid, h in self.rollouts.items()}
+        # ask every rollout first, then wait: one slow rollout does not delay the others' asks
+        refs = {rid: h.stats.remote() if hasattr(h.stats, "remote") else h.stats for rid, h in self.rollouts.items()}
         stats, dead = {}, []
         for rid, ref in refs.items():
             try:
-                s = ray.get(ref, timeout=STATS_TIMEOUT_S)
+                s = ray.get(ref, timeout=STATS_TIMEOUT_S) if isinstance(ref, ray.ObjectRef) else ref()
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
                 dead.append((rid, f"{type(e).__name__}"))
                 continue
@@ -84,22 +86,22 @@ class RolloutManager:
         return stats
 
     def _move(self, source: str, destination: str, version: int) -> None:
-        got = ray.get(self.rollouts[source].release.remote(version))
+        got = call(self.rollouts[source].release, version)
         if got is None:
             return
         groups, partials = got
         moved = [p.moved_to(destination) for p in partials]
-        ok = ray.get(self.rollouts[destination].adopt.remote(version, groups, moved))
+        ok = call(self.rollouts[destination].adopt, version, groups, moved)
         gids = [g.group_id for g in groups]
         if ok:
-            ray.get(self.data.reassign.remote(gids, destination))
-            self.data.update_partials.remote(moved)
+            call(self.data.reassign, gids, destination)
+            send(self.data.update_partials, moved)
             self.counters["moves"] += 1
             self.counters["moved_trajectories"] += len(moved)
             self._event("repack", source=source, destination=destination, version=version,
                         groups=len(groups), trajectories=len(moved))
         else:  # the destination moved on to newer weights meanwhile: regenerate, never mix versions
-            ray.get(self.data.requeue.remote(gids))
+            call(self.data.requeue, gids)
             self.counters["failed_moves"] += 1
             self._event("repack_refused", source=source, destination=destination, version=version,
                         groups=len(groups))
@@ -111,7 +113,7 @@ class RolloutManager:
             ray.kill(handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        groups, partials = ray.get(self.data.orphans.remote(rid))
+        groups, partials = call(self.data.orphans, rid)
         by_group: dict[str, list] = {}
         for p in partials:
             by_group.setdefault(p.group_id, []).append(p)
@@ -123,14 +125,13 @@ class RolloutManager:
             if len(ps) == g.group_size and len(versions) == 1:
                 v = versions.pop()
                 target = next((r for r, s in live.items() if s["version"] == v), None)
-            if target is not None and ray.get(self.rollouts[target].adopt.remote(
-                    v, [g], [p.moved_to(target) for p in ps])):
-                ray.get(self.data.reassign.remote([g.group_id], target))
+            if target is not None and call(self.rollouts[target].adopt, v, [g], [p.moved_to(target) for p in ps]):
+                call(self.data.reassign, [g.group_id], target)
                 self.counters["reissued_groups"] += 1
             else:
                 requeue.append(g.group_id)
         if requeue:
-            ray.get(self.data.requeue.remote(requeue))
+            call(self.data.requeue, requeue)
         self.counters["requeued_groups"] += len(requeue)
         print(f"manager: rollout {rid} is dead ({why}); {len(groups) - len(requeue)} groups re-issued, "
               f"{len(requeue)} re-queued", flush=True)

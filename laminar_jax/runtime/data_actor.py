@@ -59,6 +59,13 @@ class DataActor:
         self._batch_sampler = BatchSampler(self.pool.num_prompts, global_batch)
         if modes.uses_global_batches(mode):
             buffer_kwargs = dict(buffer_kwargs, sampler=self._batch_sampler)
+        bound = modes.staleness_bound(mode, max_staleness=max_staleness)
+        if modes.interrupts_on_publish(mode) and bound is not None:
+            # AReaL's admission rule bounds staleness by issue position, but groups finish out of
+            # order: one issued early and finished late can be consumed later than its batch. The
+            # buffer drops such groups (counted as dropped in the ledger), so the bound holds.
+            own = buffer_kwargs.get("max_staleness")
+            buffer_kwargs = dict(buffer_kwargs, max_staleness=bound if own is None else min(own, bound))
         self.buffer = ExperienceBuffer(**buffer_kwargs)
         self.partials = PartialPool()
         self.learner_version = 0
@@ -69,8 +76,10 @@ class DataActor:
         """Up to n groups for a rollout on `weight_version`, within the mode's issue limit."""
         acc = self.pool.accounting()
         position = acc["epoch"] * acc["num_prompts"] + acc["index"]
+        # partial: count from the older of the learner's and the rollout's version (a rollout that
+        # has not pulled the newest weights yet generates older tokens)
         limit = modes.fresh_issue_limit(self.mode, next_position=position, weight_version=weight_version,
-                                        learner_version=self.learner_version,
+                                        learner_version=min(self.learner_version, weight_version),
                                         global_batch=self.global_batch, max_staleness=self.max_staleness)
         # re-queued groups (a dead rollout's) belong to batches already open: always allowed
         if limit is not None:

@@ -44,8 +44,11 @@ class Fleet:
         dataset = load_dataset(cfg.data, seed=cfg.run.seed)
         pool_kw = prompt_pool_kwargs(cfg.data, seed=cfg.run.seed, dataset=dataset,
                                      encode=PromptEncoder(tokenizer, chat_template=cfg.data.chat_template))
+        buffer_kw = buffer_kwargs(cfg.data, seed=cfg.run.seed)
+        # the learner takes a whole global batch at once: a smaller buffer could never hold one
+        buffer_kw["capacity_groups"] = max(buffer_kw["capacity_groups"], cfg.learner.global_batch_groups)
         data = ray.remote(DataActor).options(num_cpus=0, max_concurrency=1).remote(
-            pool_kw, buffer_kwargs(cfg.data, seed=cfg.run.seed), mode=cfg.manager.mode,
+            pool_kw, buffer_kw, mode=cfg.manager.mode,
             global_batch=cfg.learner.global_batch_groups, max_staleness=cfg.manager.max_staleness)
         nodes = cluster.alive_nodes()
         learner = ray.remote(Learner).options(**cluster.actor_options(

@@ -102,3 +102,18 @@ def test_requeue_and_orphans_keep_the_ledger():
     a.reject("e0-2", "prompt too long")
     acc = a.accounting()
     assert acc["rejected"] == 1 and acc["unaccounted"] == 0
+
+
+def test_partial_mode_drops_groups_past_its_bound_and_issues_from_the_older_version():
+    a = make_actor("partial")  # eta = max_staleness = 1, global batch 2
+    # learner at 3, rollout still on 0: positions below (0 + 1 + 1) * 2 only
+    a.set_learner_version(3)
+    assert [g.group_id for g in a.issue(5, "r0", weight_version=0)] == ["e0-0", "e0-1", "e0-2", "e0-3"]
+    a2 = make_actor("partial")
+    got = a2.issue(2, "r0", weight_version=0)
+    deliver(a2, got[0], 0)
+    deliver(a2, got[1], 1)
+    batch = a2.sample(1, 2)  # got[0] is 2 versions old at learner version 2 > eta: dropped
+    assert [t[0].group_id for t in batch] == [got[1].group_id]
+    acc = a2.accounting()
+    assert acc["dropped"] == 1 and acc["consumed"] == 1 and acc["unaccounted"] == 0
