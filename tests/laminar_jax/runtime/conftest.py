@@ -3,7 +3,9 @@ import pytest
 from tests.laminar_jax.runtime.runtime_fixtures import start_cluster, warm_up_model
 
 
-@pytest.fixture(scope="session")
+# Package scope: the cluster goes down when the runtime tests are done, so later test modules
+# (the relay tests) can start clusters of their own.
+@pytest.fixture(scope="package")
 def cluster():
     import ray
     c = start_cluster()

@@ -68,6 +68,8 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    if ray.is_initialized():   # a cluster an earlier test module left connected
+        ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False))
     for _ in range(NUM_NODES - 1):
