@@ -8,13 +8,16 @@ No jax import: `laminar config show` and argument errors must stay instant.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from laminar_jax.config_loader import (ConfigError, config_from_dict, dump_config, dump_yaml,
                                        load_config, yaml_load)
+from laminar_jax.config_loader import check_at_least as _at_least
+from laminar_jax.config_loader import check_non_negative as _non_negative
+from laminar_jax.config_loader import check_positive as _positive
+from laminar_jax.config_loader import require as _require
 from laminar_jax.rl.spec import AdvantageSpec, LossSpec
 
 __all__ = [
@@ -25,28 +28,6 @@ __all__ = [
 ]
 
 DType = Literal["float32", "bfloat16", "float16"]
-
-
-def _require(ok: bool, name: str, value, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
-
-
-def _at_least(obj, lower: int, *names: str) -> None:
-    for name in names:
-        _require(getattr(obj, name) >= lower, name, getattr(obj, name), f"an int >= {lower}")
-
-
-def _positive(obj, *names: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        _require(math.isfinite(v) and v > 0, name, v, "a finite float > 0")
-
-
-def _non_negative(obj, *names: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        _require(math.isfinite(v) and v >= 0, name, v, "a finite float >= 0")
 
 
 def _non_empty(obj, *names: str) -> None:

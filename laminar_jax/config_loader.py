@@ -12,6 +12,8 @@ No jax import here: the CLI loads configs before deciding which heavy modules it
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import difflib
 import pathlib
@@ -358,3 +360,29 @@ def dump_config(cfg: Any) -> Any:
 def dump_yaml(cfg: Any) -> str:
     """YAML text of `dump_config(cfg)`, keys in schema order."""
     return yaml.dump(dump_config(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+# ------------------------------------------------------------------ range checks for __post_init__
+# Shared by every config schema (run config, simulator scenarios); the loader re-labels the
+# ValueError with the file and the dotted key.
+
+def require(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def check_at_least(obj, lower: int, *names: str) -> None:
+    for name in names:
+        require(getattr(obj, name) >= lower, name, getattr(obj, name), f"an int >= {lower}")
+
+
+def check_positive(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        require(math.isfinite(v) and v > 0, name, v, "a finite number > 0")
+
+
+def check_non_negative(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        require(math.isfinite(v) and v >= 0, name, v, "a finite number >= 0")

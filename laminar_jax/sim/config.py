@@ -16,6 +16,10 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
+from laminar_jax.config_loader import check_at_least as _ints
+from laminar_jax.config_loader import check_non_negative as _nonneg
+from laminar_jax.config_loader import check_positive as _pos
+from laminar_jax.config_loader import require as _require
 from laminar_jax.manager.modes import MODES
 
 __all__ = [
@@ -23,28 +27,6 @@ __all__ = [
     "WorkloadSpec", "ClusterSpec", "RepackSpec", "SystemSpec", "CellSpec", "FailureSpec",
     "RunSpec", "SimConfig",
 ]
-
-
-def _require(ok: bool, name: str, value, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
-
-
-def _ints(obj, lower: int, *names: str) -> None:
-    for name in names:
-        _require(getattr(obj, name) >= lower, name, getattr(obj, name), f"an int >= {lower}")
-
-
-def _pos(obj, *names: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        _require(math.isfinite(v) and v > 0, name, v, "a finite number > 0")
-
-
-def _nonneg(obj, *names: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        _require(math.isfinite(v) and v >= 0, name, v, "a finite number >= 0")
 
 
 @dataclass(frozen=True)
