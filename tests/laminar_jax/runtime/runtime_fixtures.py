@@ -1,4 +1,4 @@
-"""Shared fixtures of the runtime tests: one emulated two-node Ray cluster per test session, and
+"""Shared fixtures of the runtime tests: one emulated two-node Ray cluster for the package, and
 one supervised warm-up (the easy arithmetic task) whose Hugging Face checkpoint every run starts
 from. JAX's persistent compilation cache is shared by every actor, so later runs skip compiles."""
 import dataclasses
@@ -13,9 +13,11 @@ CACHE = "/tmp/laminar-test-jax-cache"
 
 
 def start_cluster():
-    """Two raylets on loopback (head + one worker node); reused when Ray is already up."""
+    """Two raylets on loopback (head + one worker node). A Ray an earlier test module left
+    connected (a single local node, e.g. auto-started by a `ray` call) is shut down first, so the
+    runtime tests always see the two-node cluster they assert on."""
     if ray.is_initialized():
-        return None
+        ray.shutdown()
     from ray.cluster_utils import Cluster
     env = {"JAX_COMPILATION_CACHE_DIR": CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PLATFORMS": "cpu"}
