@@ -19,7 +19,7 @@ import pandas as pd
 from laminar_jax.config_loader import yaml_load
 from laminar_jax.metrics import CONFIG_FILE, EVENTS_FILE, METRICS_FILE, TRAJECTORIES_FILE
 
-__all__ = ["Run", "find_runs", "load_events", "load_metrics", "load_run"]
+__all__ = ["Run", "find_runs", "load_events", "load_metrics", "load_run", "reward_gain"]
 
 _RUN_FILES = (CONFIG_FILE, METRICS_FILE, EVENTS_FILE)
 
@@ -112,3 +112,43 @@ def load_metrics(paths: Iterable[str | pathlib.Path]) -> pd.DataFrame:
         return pd.DataFrame({"run": pd.Series(dtype="object"), "step": pd.Series(dtype="int64")})
     frame = pd.concat(frames, ignore_index=True)
     return frame[["run"] + [c for c in frame.columns if c != "run"]]
+
+
+def reward_gain(trajectories: pd.DataFrame, *, strata: str = "prompt_id", fraction: float = 1 / 3,
+                time: str = "gen_version") -> dict[str, float]:
+    """Mean reward early vs late in a run, compared within strata of equal difficulty.
+
+    A run's mean reward per step moves with the prompts it happens to draw (a long countdown is
+    harder than a short one, and in asynchronous modes short answers arrive first), so the raw
+    first-vs-last comparison is noisy. Trajectories with `time` in the first `fraction` of its
+    range are "early", those in the last `fraction` "late"; for every value s of the `strata`
+    column seen in both, with n_s = min(#early_s, #late_s):
+
+        early = sum_s n_s mean(early_s) / sum_s n_s,   late likewise,   gain = late - early.
+
+    Returns {"early", "late", "gain", "strata", "early_count", "late_count"} (NaN gain when no
+    stratum is in both parts).
+    """
+    for col in (strata, time, "reward"):
+        if col not in trajectories.columns:
+            raise KeyError(f"reward_gain: trajectories have no column {col!r} "
+                           f"(columns: {sorted(trajectories.columns)})")
+    if not 0 < fraction <= 0.5:
+        raise ValueError(f"reward_gain: fraction must be in (0, 0.5], got {fraction}")
+    t = trajectories[time].astype(float)
+    lo, hi = t.min(), t.max()
+    span = hi - lo
+    early = trajectories[t <= lo + fraction * span]
+    late = trajectories[t >= hi - fraction * span]
+    e = early.groupby(strata)["reward"].agg(["mean", "size"])
+    l = late.groupby(strata)["reward"].agg(["mean", "size"])
+    both = e.join(l, lsuffix="_early", rsuffix="_late", how="inner")
+    w = both[["size_early", "size_late"]].min(axis=1).astype(float)
+    if span == 0 or w.sum() == 0:
+        nan = float("nan")
+        return {"early": nan, "late": nan, "gain": nan, "strata": 0,
+                "early_count": int(len(early)), "late_count": int(len(late))}
+    e_mean = float((both["mean_early"] * w).sum() / w.sum())
+    l_mean = float((both["mean_late"] * w).sum() / w.sum())
+    return {"early": e_mean, "late": l_mean, "gain": l_mean - e_mean, "strata": int(len(both)),
+            "early_count": int(len(early)), "late_count": int(len(late))}

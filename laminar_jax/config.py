@@ -18,7 +18,7 @@ from laminar_jax.config_loader import check_at_least as _at_least
 from laminar_jax.config_loader import check_non_negative as _non_negative
 from laminar_jax.config_loader import check_positive as _positive
 from laminar_jax.config_loader import require as _require
-from laminar_jax.rl.spec import AdvantageSpec, LossSpec
+from laminar_jax.rl.spec import AdvantageSpec, CorrectionSpec, LossSpec
 
 __all__ = [
     "AdvantageSpec", "Config", "ConfigError", "DataConfig", "LearnerConfig", "LossSpec",
@@ -47,7 +47,7 @@ class RunConfig:
     name: str = "default"
     out_dir: str = "runs"
     seed: int = 0
-    steps: int = 20
+    steps: int = 60
     log_every: int = 1
     ray_address: str | None = None
     checkpoint_every: int = 0
@@ -64,18 +64,22 @@ class RunConfig:
 class ModelConfig:
     """The policy: a built-in preset, or a Hugging Face folder (config.json + safetensors).
 
-    hf_path wins over preset when set. param_dtype is the learner's master copy, dtype its
-    compute dtype, rollout_dtype what the relays ship to the engines.
+    hf_path wins over preset when set. vocab_size resizes a preset's vocabulary (0 keeps the
+    preset's; a Hugging Face folder brings its own): 128 covers the built-in tasks' character
+    tokenizer (99 ids), so the policy spends no probability on ids it can never decode. param_dtype is the learner's master copy,
+    dtype its compute dtype, rollout_dtype what the relays ship to the engines.
     """
 
     preset: Literal["tiny", "100m"] = "tiny"
     hf_path: str | None = None
+    vocab_size: int = 128
     param_dtype: DType = "float32"
     dtype: DType = "float32"
     rollout_dtype: DType = "float32"
 
     def __post_init__(self):
         _non_empty(self, "hf_path")
+        _non_negative(self, "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ class LearnerConfig:
     recompute_prox: recompute prox_logp even when the loss does not need it (for metrics).
     """
 
-    global_batch_groups: int = 4
+    global_batch_groups: int = 8
     mini_batches: int = 1
     micro_batch_size: int = 0
     max_seq_len: int = 256
@@ -150,17 +154,25 @@ class LearnerConfig:
 
 @dataclass(frozen=True)
 class SftConfig:
-    """Supervised warm-up on the task's reference answers (next-token cross-entropy)."""
+    """Supervised warm-up on the task's reference answers (next-token cross-entropy).
 
-    steps: int = 30
-    batch_size: int = 16
+    demo_noise: the chance of a mistake at each step of a demonstration (countdown skips a
+    number, arithmetic is off by one), so the warm-up policy is imperfect the way SFT on
+    imperfect data is, and RL has errors to remove; 0 gives clean demonstrations.
+    """
+
+    steps: int = 300
+    batch_size: int = 32
     seq_len: int = 64
     lr: float = 3e-3
+    demo_noise: float = 0.2
 
     def __post_init__(self):
         _at_least(self, 1, "steps", "batch_size")
         _at_least(self, 2, "seq_len")
         _positive(self, "lr")
+        _non_negative(self, "demo_noise")
+        _require(self.demo_noise < 1, "demo_noise", self.demo_noise, "a number in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -302,7 +314,7 @@ class RewardConfig:
     function is called as fn(prompt, completion, row) -> float with the dataset row.
     """
 
-    fn: str = "exact_match"
+    fn: str = "task"
     format_tags: tuple[str, ...] = ("think",)
     math_backend: Literal["auto", "math_verify", "sympy"] = "auto"
 
@@ -329,7 +341,10 @@ class Config:
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    loss: LossSpec = field(default_factory=LossSpec)
+    # The run anchors PPO on the engine's log-probs (bypass): with one update per version a trainer
+    # recompute makes the clip a no-op, while the behaviour anchor keeps a trust region around the
+    # policy that generated each (possibly stale) sample. LossSpec() itself keeps the textbook "prox".
+    loss: LossSpec = field(default_factory=lambda: LossSpec(correction=CorrectionSpec(old="behaviour")))
     advantage: AdvantageSpec = field(default_factory=AdvantageSpec)
 
     def __post_init__(self):
@@ -337,3 +352,6 @@ class Config:
         _require(opt.schedule == "constant" or opt.warmup_steps < self.run.steps,
                  "optimizer.warmup_steps", opt.warmup_steps,
                  f"fewer than run.steps ({self.run.steps}) with schedule {opt.schedule!r}")
+        _require(self.reward.fn != "task" or self.data.path is None, "reward.fn", self.reward.fn,
+                 f"a reward for the rows of data.path={self.data.path!r} (exact_match, math, format or "
+                 f"'package.module:function'); 'task' scores only the built-in tasks' rows")

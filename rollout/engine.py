@@ -33,22 +33,14 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from laminar_jax.arrays import int_ids as _int_array
+from laminar_jax.arrays import per_token_floats
+
+
+def _prefix_floats(values, what: str, length: int):
+    return per_token_floats(values, what, length, "prefix token")
+
 FinishReason = Literal["stop", "length"]
-
-
-def _int_array(values, what: str) -> np.ndarray:
-    arr = np.asarray(values if len(values) else np.zeros((0,), np.int64))
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise ValueError(f"{what}: expected a 1-D sequence of integer token ids, got dtype {arr.dtype} "
-                         f"shape {arr.shape}")
-    return arr.astype(np.int64)
-
-
-def _float_array(values, what: str, length: int) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float32).reshape(-1)
-    if arr.shape[0] != length:
-        raise ValueError(f"{what}: expected {length} values (one per prefix token), got {arr.shape[0]}")
-    return arr
 
 
 @dataclass(frozen=True)
@@ -112,10 +104,10 @@ class Request:
         set_("prefix_tokens", prefix)
         n = prefix.shape[0]
         lp = np.zeros((n,), np.float32) if self.prefix_logp is None else self.prefix_logp
-        set_("prefix_logp", _float_array(lp, f"request {self.id!r}: prefix_logp", n))
+        set_("prefix_logp", _prefix_floats(lp, f"request {self.id!r}: prefix_logp", n))
         raw = self.prefix_logp if self.prefix_raw_logp is None else self.prefix_raw_logp
         raw = np.zeros((n,), np.float32) if raw is None else raw
-        set_("prefix_raw_logp", _float_array(raw, f"request {self.id!r}: prefix_raw_logp", n))
+        set_("prefix_raw_logp", _prefix_floats(raw, f"request {self.id!r}: prefix_raw_logp", n))
         ver = np.full((n,), -1) if self.prefix_versions is None else np.asarray(self.prefix_versions)
         if ver.reshape(-1).shape[0] != n:
             raise ValueError(f"request {self.id!r}: prefix_versions has {ver.size} values for {n} prefix tokens")

@@ -24,6 +24,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from laminar_jax.arrays import int_ids as _ints
+from laminar_jax.arrays import per_token_floats as _floats
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -40,22 +43,22 @@ def parse_request_id(rid: str) -> tuple[str, int]:
     return group_id, int(index)
 
 
-def _ints(values, what: str) -> np.ndarray:
-    arr = np.asarray(values if len(values) else np.zeros((0,), np.int64))
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise ValueError(f"{what}: expected a 1-D sequence of ints, got dtype {arr.dtype} shape {arr.shape}")
-    return arr.astype(np.int64)
-
-
-def _floats(values, what: str, length: int) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float32).reshape(-1)
-    if arr.shape[0] != length:
-        raise ValueError(f"{what}: expected {length} values (one per response token), got {arr.shape[0]}")
-    return arr
-
-
 def _set(obj, name: str, value) -> None:
     object.__setattr__(obj, name, value)
+
+
+def _normalise_tokens(record, where: str) -> None:
+    """Checked arrays for a record's prompt, response, per-token log-probs and versions."""
+    _set(record, "prompt_tokens", _ints(record.prompt_tokens, f"{where}: prompt_tokens"))
+    resp = _ints(record.response_tokens, f"{where}: response_tokens")
+    _set(record, "response_tokens", resp)
+    n = resp.shape[0]
+    _set(record, "behaviour_logp", _floats(record.behaviour_logp, f"{where}: behaviour_logp", n, "response token"))
+    _set(record, "sample_logp", _floats(record.sample_logp, f"{where}: sample_logp", n, "response token"))
+    versions = _ints(record.token_versions, f"{where}: token_versions")
+    if versions.shape[0] != n:
+        raise ValueError(f"{where}: token_versions has {versions.shape[0]} values for {n} tokens")
+    _set(record, "token_versions", versions)
 
 
 def _plain(value):
@@ -154,16 +157,7 @@ class PartialTrajectory:
 
     def __post_init__(self):
         where = f"partial {request_id(self.group_id, self.sample_index)}"
-        _set(self, "prompt_tokens", _ints(self.prompt_tokens, f"{where}: prompt_tokens"))
-        resp = _ints(self.response_tokens, f"{where}: response_tokens")
-        _set(self, "response_tokens", resp)
-        n = resp.shape[0]
-        _set(self, "behaviour_logp", _floats(self.behaviour_logp, f"{where}: behaviour_logp", n))
-        _set(self, "sample_logp", _floats(self.sample_logp, f"{where}: sample_logp", n))
-        versions = _ints(self.token_versions, f"{where}: token_versions")
-        if versions.shape[0] != n:
-            raise ValueError(f"{where}: token_versions has {versions.shape[0]} values for {n} tokens")
-        _set(self, "token_versions", versions)
+        _normalise_tokens(self, where)
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"{where}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS} or None")
 
@@ -210,16 +204,7 @@ class Trajectory:
 
     def __post_init__(self):
         where = f"trajectory {request_id(self.group_id, self.sample_index)}"
-        _set(self, "prompt_tokens", _ints(self.prompt_tokens, f"{where}: prompt_tokens"))
-        resp = _ints(self.response_tokens, f"{where}: response_tokens")
-        _set(self, "response_tokens", resp)
-        n = resp.shape[0]
-        _set(self, "behaviour_logp", _floats(self.behaviour_logp, f"{where}: behaviour_logp", n))
-        _set(self, "sample_logp", _floats(self.sample_logp, f"{where}: sample_logp", n))
-        versions = _ints(self.token_versions, f"{where}: token_versions")
-        if versions.shape[0] != n:
-            raise ValueError(f"{where}: token_versions has {versions.shape[0]} values for {n} tokens")
-        _set(self, "token_versions", versions)
+        _normalise_tokens(self, where)
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"{where}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float, np.integer, np.floating)) \

@@ -61,6 +61,11 @@ class SyntheticTask:
     def reference(self, params: Mapping) -> str:
         raise NotImplementedError
 
+    def noisy_reference(self, params: Mapping, rng: np.random.Generator, noise: float) -> str:
+        """A demonstration with a mistake at each step with probability `noise` (the reference
+        when noise is 0)."""
+        raise NotImplementedError
+
     @staticmethod
     def score(completion: str, row: Mapping) -> float:
         """1.0 for the reference answer (surrounding whitespace ignored), else 0.0."""
@@ -76,13 +81,18 @@ class SyntheticTask:
             out.append(PromptRow(f"{self.name}-{i}", self._prompt(params), answer, row, f"task {self.name}"))
         return out
 
-    def sft_examples(self, n: int, seed: int = 0) -> list[SftExample]:
-        """n correct (prompt, response) pairs drawn like the prompts, from a separate stream."""
+    def sft_examples(self, n: int, seed: int = 0, noise: float = 0.0) -> list[SftExample]:
+        """n (prompt, response) pairs drawn like the prompts, from a separate stream; correct
+        when `noise` is 0, else each step of a response is wrong with probability `noise`."""
+        if not 0.0 <= noise < 1.0:
+            raise ValueError(f"task {self.name}: demonstration noise must be in [0, 1), got {noise}")
         rng = np.random.default_rng([seed, 1])
+        noise_rng = np.random.default_rng([seed, 3])
         tok = self.tokenizer
         out = []
         for params in self._draw(rng, n):
-            prompt, response = self._prompt(params), self.reference(params)
+            prompt = self._prompt(params)
+            response = self.noisy_reference(params, noise_rng, noise) if noise else self.reference(params)
             out.append(SftExample(prompt, response, np.asarray(tok.encode(prompt), np.int64),
                                   np.asarray(tok.encode(response) + [tok.eos_token_id], np.int64)))
         return out
@@ -117,6 +127,15 @@ class CountdownTask(SyntheticTask):
     def reference(self, params):
         return " ".join(str(k) for k in range(int(params["n"]), 0, -1))
 
+    def noisy_reference(self, params, rng, noise):
+        """Counts down from n, skipping a number at each step with probability `noise` (never
+        past 1), so a demonstration of n has up to n - 2 chances to go wrong."""
+        k, out = int(params["n"]), [int(params["n"])]
+        while k > 1:
+            k -= 2 if k > 2 and rng.random() < noise else 1
+            out.append(k)
+        return " ".join(map(str, out))
+
     @staticmethod
     def score(completion: str, row: Mapping) -> float:
         """1.0 for the exact countdown; otherwise 0.5 * (correct leading numbers) / n, so < 1.
@@ -150,6 +169,13 @@ class ArithmeticTask(SyntheticTask):
     def reference(self, params):
         return str(int(params["a"]) + int(params["b"]))
 
+    def noisy_reference(self, params, rng, noise):
+        """The sum, off by one (up or down, never below 0) with probability `noise`."""
+        total = int(params["a"]) + int(params["b"])
+        if rng.random() < noise:
+            total = total + 1 if total == 0 or rng.random() < 0.5 else total - 1
+        return str(total)
+
 
 TASKS: dict[str, type[SyntheticTask]] = {
     "synthetic": CountdownTask,
@@ -166,9 +192,10 @@ def get_task(name: str, *, num_prompts: int = 2048, max_n: int = 0, seed: int = 
     return TASKS[name](num_prompts=num_prompts, max_n=max_n, seed=seed)
 
 
-def sft_examples(task: str, n: int, seed: int = 0, *, max_n: int = 0) -> list[SftExample]:
-    """Warm-up examples of a built-in task (the correct answers of its prompt distribution)."""
-    return get_task(task, max_n=max_n).sft_examples(n, seed)
+def sft_examples(task: str, n: int, seed: int = 0, *, max_n: int = 0, noise: float = 0.0) -> list[SftExample]:
+    """Warm-up examples of a built-in task (its prompt distribution; answers correct unless
+    `noise` > 0, see `SyntheticTask.sft_examples`)."""
+    return get_task(task, max_n=max_n).sft_examples(n, seed, noise)
 
 
 def task_score(completion: str, row: Mapping) -> float:

@@ -27,12 +27,13 @@ class LearnerSetup(NamedTuple):
 
 def model_config(model_section: Any) -> tuple[DecoderConfig, Any]:
     """``(DecoderConfig, host params tree or None)`` from a ``model`` config section: the
-    Hugging Face folder ``hf_path`` when set (weights loaded), else the named ``preset``."""
+    Hugging Face folder ``hf_path`` when set (weights loaded), else the named ``preset`` (with
+    ``vocab_size`` when that is not 0)."""
     m = model_section
     if getattr(m, "hf_path", None):
         from laminar_jax.models.hf import load_pretrained
         return load_pretrained(m.hf_path, param_dtype=m.param_dtype, dtype=m.dtype)
-    return DecoderConfig.preset(m.preset, param_dtype=m.param_dtype, dtype=m.dtype), None
+    return DecoderConfig.from_model_section(m), None
 
 
 def build(cfg: Any, *, total_steps: int, lr: float | None = None,

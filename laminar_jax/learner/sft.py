@@ -64,7 +64,7 @@ def _examples(cfg: Any, dcfg: DecoderConfig):
     name = getattr(data, "task", FALLBACK_TASK)
     name = name if name in TASKS else FALLBACK_TASK
     task = get_task(name, max_n=getattr(data, "task_max_n", 0), seed=cfg.run.seed)
-    examples = task.sft_examples(POOL_SIZE, seed=cfg.run.seed)
+    examples = task.sft_examples(POOL_SIZE, seed=cfg.run.seed, noise=getattr(cfg.sft, "demo_noise", 0.0))
     tokenizer = task.tokenizer
     hf_path = getattr(cfg.model, "hf_path", None)
     if hf_path and os.path.exists(os.path.join(hf_path, "tokenizer.json")):

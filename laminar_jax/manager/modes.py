@@ -154,55 +154,6 @@ def may_submit(num_submitted: int, learner_version: int, *, batch_size: int,
 # Runtime policies: what each mode changes in the one code path of the runtime (rollout worker,
 # data actor, learner). The plumbing is the same for every mode; only these answers differ.
 
-def fresh_issue_limit(mode: str, *, next_position: int, weight_version: int, learner_version: int,
-                      global_batch: int, max_staleness: int | None) -> int | None:
-    """How many fresh prompt groups, from cursor position `next_position` on, may go to a rollout
-    generating with `weight_version`; None = no limit (laminar).
-
-    Global-batch modes: group p belongs to global batch p // global_batch, which may be generated
-    with weights v iff `may_start_batch(p // B, v, bound)`, so the positions allowed are
-    [v * B, (v + bound + 1) * B). Partial: AReaL's `may_submit` with the learner version, so
-    positions below (learner_version + eta + 1) * B.
-    """
-    check_mode(mode)
-    _check_version("next_position", next_position)
-    _check_version("weight_version", weight_version)
-    _check_version("learner_version", learner_version)
-    if uses_global_batches(mode):
-        bound = staleness_bound(mode, max_staleness=max_staleness if mode == "stream" else None)
-        if next_position // global_batch < weight_version:
-            return 0
-        return max(0, (weight_version + bound + 1) * global_batch - next_position)
-    if mode == "partial":
-        if max_staleness is None:
-            return None
-        return max(0, (learner_version + max_staleness + 1) * global_batch - next_position)
-    return None
-
-
-def refills_continuously(mode: str) -> bool:
-    """Whether a rollout takes new groups whenever it has free slots (partial rollout), instead of
-    taking a whole batch when idle and draining it on one version (every other mode)."""
-    return check_mode(mode) == "partial"
-
-
-def may_pull_weights(mode: str, *, in_flight: int, released: bool) -> bool:
-    """Whether a rollout may load newer weights now: when its batch is done or it was released
-    by repack [P §4]; in partial mode at any time (in-flight trajectories are interrupted)."""
-    return interrupts_on_publish(mode) or in_flight == 0 or released
-
-
-def repacks(mode: str, *, enabled: bool) -> bool:
-    """Repack runs in laminar mode only (it needs single-version batches that drain)."""
-    return enabled and check_mode(mode) == "laminar"
-
-
-def batch_of(position: int, global_batch: int) -> int:
-    """Global batch index of the group issued at cursor position `position`."""
-    _check_version("position", position)
-    return position // global_batch
-
-
 def batch_of(position: int, global_batch: int) -> int:
     """Global batch index of the item at `position` in the prompt stream (FIFO batches).
 

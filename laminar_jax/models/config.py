@@ -125,6 +125,14 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig.preset: unknown preset {name!r}, expected one of {sorted(presets)}")
         return cls(**{**presets[name], **overrides})
 
+    @classmethod
+    def from_model_section(cls, model: Any, *, dtype: str | None = None) -> "DecoderConfig":
+        """The preset a run config's ``model`` section names, resized to its ``vocab_size`` (0
+        keeps the preset's); ``dtype`` overrides both dtypes (the rollout copy's)."""
+        param_dtype, compute = (dtype, dtype) if dtype else (model.param_dtype, model.dtype)
+        resize = {"vocab_size": model.vocab_size} if getattr(model, "vocab_size", 0) else {}
+        return cls.preset(model.preset, param_dtype=param_dtype, dtype=compute, **resize)
+
     # ------------------------------------------------------------------ Hugging Face config.json
     @classmethod
     def from_hf(cls, config: dict, source: str = "config.json", **overrides: Any) -> "DecoderConfig":

@@ -22,7 +22,7 @@ def model_config(cfg: Any, model_dir: str | None):
         with open(path) as f:
             return DecoderConfig.from_hf(json.load(f), source=path, param_dtype=cfg.model.rollout_dtype,
                                          dtype=cfg.model.rollout_dtype)
-    return DecoderConfig.preset(cfg.model.preset, param_dtype=cfg.model.rollout_dtype, dtype=cfg.model.rollout_dtype)
+    return DecoderConfig.from_model_section(cfg.model, dtype=cfg.model.rollout_dtype)
 
 
 def tokenizer_for(model_dir: str | None):

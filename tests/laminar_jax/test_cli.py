@@ -65,7 +65,7 @@ def test_module_entry_point_exit_code(tmp_path):
 
 
 def test_config_show_prints_the_resolved_config_with_overrides(capsys):
-    overrides = ["optimizer.lr=1e-6", "manager.mode=sync", "loss.correction.is_level=token"]
+    overrides = ["optimizer.lr=1e-6", "manager.mode=sync", "loss.correction.old=prox", "loss.correction.is_level=token"]
     assert cli.main(["config", "show", str(REPO / "configs/default.yaml"), *overrides]) == 0
     shown = yaml_load(capsys.readouterr().out)
     assert shown["optimizer"]["lr"] == 1e-6 and shown["manager"]["mode"] == "sync"

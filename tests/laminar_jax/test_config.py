@@ -130,10 +130,13 @@ def test_wrong_type_names_file_key_and_expectation(tmp_path, text, message):
     ("data:\n  group_size: 0\n", "data.group_size", ">= 1"),
     ("manager:\n  c_max: 1.5\n", "manager.c_max", "0 < c_max <= 1"),
     ("rollout:\n  top_p: 0\n", "rollout.top_p", "0 < top_p <= 1"),
-    ("learner:\n  mini_batches: 3\n", "learner.mini_batches", "divisor of global_batch_groups (4)"),
+    ("learner:\n  mini_batches: 3\n", "learner.mini_batches", "divisor of global_batch_groups (8)"),
     ("loss:\n  surrogate:\n    eps_low: -0.1\n", "loss.surrogate.eps_low", ">= 0"),
     ("advantage:\n  estimator: ppo\n", "advantage.estimator", "grpo"),
-    ("optimizer:\n  warmup_steps: 50\n", "optimizer.warmup_steps", "run.steps (20)"),
+    ("optimizer:\n  warmup_steps: 80\n", "optimizer.warmup_steps", "run.steps (60)"),
+    ("data:\n  path: rows.jsonl\n", "reward.fn", "'task' scores only the built-in tasks' rows"),
+    ("sft:\n  demo_noise: 1.0\n", "sft.demo_noise", "[0, 1)"),
+    ("model:\n  vocab_size: -1\n", "model.vocab_size", ">= 0"),
 ])
 def test_out_of_range_names_file_and_dotted_key(tmp_path, text, key, expected):
     path = _write(tmp_path, text)
@@ -293,6 +296,7 @@ def test_dump_then_load_is_identity(name, lr, b1, seed, data, is_max, path):
         optimizer=dataclasses.replace(base.optimizer, lr=lr, b1=b1),
         mesh=dataclasses.replace(base.mesh, data=data),
         data=dataclasses.replace(base.data, path=path),
+        reward=dataclasses.replace(base.reward, fn="task" if path is None else "exact_match"),
         loss=dataclasses.replace(base.loss, correction=dataclasses.replace(
             base.loss.correction, is_max=is_max)),
     )

@@ -187,3 +187,24 @@ def test_find_runs_and_load_metrics(tmp_path):
     assert list(frame.columns[:2]) == ["run", "step"]
     assert list(zip(frame["run"], frame["step"], frame["loss"])) == [
         ("a", 0, 1.0), ("a", 1, 0.5), ("b", 0, 2.0)]
+
+
+def test_reward_gain_compares_within_strata():
+    from laminar_jax.analysis import reward_gain
+    # hard prompts (reward 0.2 -> 0.4) and easy ones (0.9 -> 1.0); the late part draws mostly
+    # hard ones, so the raw means fall (0.725 -> 0.55) while every stratum rises
+    rows = ([("hard", 0, 0.2)] * 2 + [("easy", 0, 0.9)] * 6 + [("mid", 5, 0.5)] * 3
+            + [("hard", 9, 0.4)] * 6 + [("easy", 9, 1.0)] * 2 + [("only_late", 9, 0.0)] * 4)
+    t = pd.DataFrame(rows, columns=["n", "gen_version", "reward"])
+    g = reward_gain(t, strata="n")
+    early, late = t[t.gen_version <= 3].reward.mean(), t[t.gen_version >= 6].reward.mean()
+    assert late < early
+    # weights min(count): hard 2, easy 2 -> early (0.2 + 0.9) / 2, late (0.4 + 1.0) / 2
+    assert g["early"] == pytest.approx(0.55) and g["late"] == pytest.approx(0.7)
+    assert g["gain"] == pytest.approx(0.15) and g["strata"] == 2
+    assert (g["early_count"], g["late_count"]) == (8, 12)
+    with pytest.raises(KeyError, match="no column 'prompt_id'"):
+        reward_gain(t)
+    with pytest.raises(ValueError, match="fraction"):
+        reward_gain(t, strata="n", fraction=0.7)
+    assert math.isnan(reward_gain(t[t.gen_version == 0], strata="n")["gain"])

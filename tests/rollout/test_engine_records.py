@@ -26,9 +26,9 @@ def test_request_normalises_tokens_and_checks_prefix_lengths():
     assert r.prefix_versions.tolist() == [-1, -1] and r.remaining_new_tokens == 254
     with pytest.raises(ValueError, match="prefix_logp: expected 2 values"):
         E.Request("b", [1], prefix_tokens=[4, 5], prefix_logp=[-1.0])
-    with pytest.raises(ValueError, match="prompt_tokens: expected a 1-D sequence of integer"):
+    with pytest.raises(ValueError, match="prompt_tokens: expected a 1-D sequence of ints"):
         E.Request("c", [[1, 2]])
-    with pytest.raises(ValueError, match="prompt_tokens: expected a 1-D sequence of integer"):
+    with pytest.raises(ValueError, match="prompt_tokens: expected a 1-D sequence of ints"):
         E.Request("d", [1.5, 2.0])
     with pytest.raises(ValueError, match="Request.id"):
         E.Request("", [1])

@@ -121,3 +121,38 @@ def test_char_tokenizer_marks_ids_past_its_vocabulary():
     # completion wrong (never silently vanish, never crash the rollout)
     tok = CharTokenizer()
     assert tok.decode(tok.encode("3 2") + [500] + tok.encode(" 1")) == "3 2\ufffd 1"
+
+
+def test_noisy_countdown_demonstrations_skip_at_the_given_rate():
+    task = get_task("countdown")
+    clean = task.sft_examples(300, seed=4)
+    noisy = task.sft_examples(300, seed=4, noise=0.2)
+    assert [e.prompt for e in clean] == [e.prompt for e in noisy]  # same prompts, only answers change
+    assert [e.response for e in task.sft_examples(300, seed=4, noise=0.0)] == [e.response for e in clean]
+    assert all(e.response == task.reference({"n": int(e.prompt[:-1])}) for e in clean)
+    skips = chances = 0
+    for e in noisy:
+        n, nums = int(e.prompt[:-1]), [int(x) for x in e.response.split(" ")]
+        steps = -np.diff(nums)
+        assert nums[0] == n and nums[-1] == 1 and set(steps) <= {1, 2}, e.response
+        skips += int((steps == 2).sum())
+        chances += int((np.array(nums[:-1]) > 2).sum())  # a skip is possible only from k > 2
+    # every step from k > 2 skips with probability 0.2: a binomial count, 5 standard deviations
+    sd = np.sqrt(chances * 0.2 * 0.8)
+    assert abs(skips - 0.2 * chances) < 5 * sd, (skips, chances)
+    assert CountdownTask.score(noisy[0].response, {"answer": noisy[0].response}) == 1.0
+    assert [e.response for e in task.sft_examples(300, seed=4, noise=0.2)] == [e.response for e in noisy]
+
+
+def test_noisy_arithmetic_demonstrations_are_off_by_one_at_the_given_rate():
+    task = get_task("arithmetic")
+    noisy = task.sft_examples(2000, seed=1, noise=0.3)
+    errors = []
+    for e in noisy:
+        a, b = map(int, e.prompt[:-1].split("+"))
+        got = int(e.response)
+        assert got >= 0 and abs(got - (a + b)) <= 1, (e.prompt, e.response)
+        errors.append(got != a + b)
+    assert abs(np.mean(errors) - 0.3) < 5 * np.sqrt(0.3 * 0.7 / len(errors))
+    with pytest.raises(ValueError, match="noise must be in"):
+        task.sft_examples(3, noise=1.0)

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.laminar_jax.runtime.runtime_fixtures import start_cluster, warm_up_model
+from tests.laminar_jax.runtime.runtime_fixtures import countdown_warm_up, start_cluster, warm_up_model
 
 
 # Package scope: the cluster goes down when the runtime tests are done, so later test modules
@@ -18,3 +18,8 @@ def cluster():
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory):
     return warm_up_model(str(tmp_path_factory.mktemp("warm")))
+
+
+@pytest.fixture(scope="session")
+def countdown_model(tmp_path_factory):
+    return countdown_warm_up(str(tmp_path_factory.mktemp("warm_countdown")))

@@ -41,6 +41,33 @@ def base_config(tmp_dir: str, name: str, model_dir: str, **sections) -> Config:
     return load_config("configs/default.yaml", overrides)
 
 
+COUNTDOWN = ["data.task=countdown", "data.task_max_n=12", "data.num_prompts=1024", "learner.max_seq_len=48",
+             "rollout.max_new_tokens=40"]
+
+
+def countdown_config(tmp_dir: str, name: str, model_dir: str, **sections) -> Config:
+    """The learning check's run: countdown up to 12 (long-tailed answers of 2 to 27 tokens, partial
+    credit) from the noisy warm-up of `countdown_warm_up`; `sections` override dotted keys."""
+    overrides = {k.split("=")[0]: k.split("=")[1] for k in COUNTDOWN}
+    overrides.update({"run.steps": 20, "reward.fn": "task", "learner.global_batch_groups": 4,
+                      "data.group_size": 8, "rollout.max_concurrency": 32, "rollout.kv_budget_tokens": 2048,
+                      "optimizer.lr": 3e-4, "optimizer.schedule": "constant", "manager.repack_interval_s": 0.5})
+    overrides.update(sections)
+    return load_config("configs/default.yaml", [f"run.out_dir={tmp_dir}", f"run.name={name}",
+                                                f"model.hf_path={model_dir}"]
+                       + [f"{k}={v}" for k, v in overrides.items()])
+
+
+def countdown_warm_up(tmp_dir: str) -> str:
+    """Supervised warm-up on noisy countdown demonstrations (a number skipped with probability
+    0.4 per step): a policy that counts but skips, which RL can sharpen within a few steps."""
+    from laminar_jax.learner import sft
+    cfg = load_config("configs/default.yaml", [f"run.out_dir={tmp_dir}", "run.name=warm_countdown", *COUNTDOWN,
+                                               "sft.steps=300", "sft.batch_size=32", "sft.seq_len=48",
+                                               "sft.demo_noise=0.4", "run.log_every=300"])
+    return sft.run(cfg)["model_dir"]
+
+
 def warm_up_model(tmp_dir: str) -> str:
     from laminar_jax.learner import sft
     cfg = load_config("configs/default.yaml", [f"run.out_dir={tmp_dir}", "run.name=warm", "data.task=arithmetic",
