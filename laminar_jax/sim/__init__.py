@@ -6,6 +6,7 @@ relay toggles at up to 1024 accelerators, driven by the runtime's own pure rules
 and by physical models calibrated on the Laminar paper (docs/simulator.md).
 
 Modules: config (schema), models (decode / trainer / weights / lengths), rollout (one engine,
-closed-form decode), engine (event core), policies (the modes), report (run folders, tables),
+closed-form decode), engine (event core), policies (picks the mode's policy: global_batch,
+partial, laminar, on policy_base), report (run folders, tables),
 cli (entry point). Pure python + numpy: no jax import.
 """

@@ -266,12 +266,17 @@ class RepackSpec:
 
     c_max and roofline_batch go to `laminar_jax.manager.repack.plan`. overhead_s: delay before
     moved trajectories reach their destination (the paper measures 0.69 s).
+    transfer: what a move carries. "recompute": token ids only, the destination re-prefills
+    each moved trajectory's context (stalling its decode for context / prefill rate). "kv": the
+    KV cache moves with the trajectories within overhead_s and decode resumes without a
+    prefill. Either way a trajectory stays on its weight version.
     """
 
     interval_s: float = 5.0
     c_max: float = 0.99
     roofline_batch: int = 64
     overhead_s: float = 0.69
+    transfer: Literal["recompute", "kv"] = "recompute"
 
     def __post_init__(self):
         _pos(self, "interval_s")

@@ -259,6 +259,10 @@ class Sim:
             self.policy.on_group_done(g)
 
     # ------------------------------------------------------------------ relays / weights
+    def chain_position(self, machine: int) -> int:
+        """Position of `machine`'s relay in the broadcast chain (0 = master)."""
+        return self._chain_pos[machine]
+
     def relay_version(self, r: Rollout) -> int:
         """Newest version complete at r's local relay now (chain time model, App. D)."""
         pos = self._chain_pos.get(r.machine)
@@ -452,6 +456,7 @@ class Sim:
             r.heap.clear()
             r.order.clear()
             r.waiting.clear()
+            r.resident.clear()
         self._alive_update()
         self.chain = self.chain + (machine,)
         self._chain_pos = {m: j for j, m in enumerate(self.chain)}

@@ -8,7 +8,8 @@ on the next step (vLLM-style preemption of the newest sequence, which re-prefill
 Admission (vLLM-like): waiting requests enter, in order, while the running count is below
 max_num_seqs and the KV cache keeps `reserve` tokens of headroom per running sequence; their
 context (prompt + tokens so far + tool outputs) is prefilled, stalling decode for
-tokens / prefill rate.
+tokens / prefill rate, except for trajectories that arrived with their KV cache (`resident`,
+a repack that migrates the cache instead of recomputing it).
 
 State per trajectory lives in `TrajStore` lists (python lists: scalar access in the event loop
 is several times faster than numpy element access).
@@ -114,6 +115,7 @@ class Rollout:
         self.waiting: deque = deque()
         self.sleeping: set = set()          # in a tool call, still owned by this rollout
         self.incoming = 0                   # repacked trajectories on their way here
+        self.resident: set = set()          # waiting with their KV cache already here (no prefill)
         self.epoch = 0                      # bumped on every reschedule (lazy event deletion)
         self.next_step = 0
         self.next_time = float("inf")
@@ -230,10 +232,12 @@ class Rollout:
         self.order.clear()
         out = running + list(self.waiting)
         self.waiting.clear()
+        self.resident.clear()
         return out
 
     def admit(self, now: float) -> int:
-        """Admit waiting requests that fit; prefill stalls decode. Returns prefilled tokens."""
+        """Admit waiting requests that fit; prefill stalls decode (not for `resident` ones,
+        whose KV cache came with them). Returns prefilled tokens."""
         waiting = self.waiting
         if not waiting:
             return 0
@@ -244,7 +248,8 @@ class Rollout:
         n = self.n
         cap, reserve, S, idx = self.cap, self.reserve, self.S, self.idx
         limit = self.max_num_seqs
-        pre = 0
+        resident = self.resident
+        added = pre = 0
         heap, order = self.heap, self.order
         push, popleft, append = heapq.heappush, waiting.popleft, order.append
         while waiting and n < limit:
@@ -267,12 +272,17 @@ class Rollout:
                 ts.first_rollout[i] = idx
             n += 1
             k += need
-            pre += need
+            added += need
+            if resident and i in resident:
+                resident.discard(i)
+            else:
+                pre += need
         admitted = n - self.n
         self.n = n
-        if pre:
-            self.sum_base += pre
+        if admitted:
+            self.sum_base += added
             self.sum_admit += S * admitted
+        if pre:
             self.t_ref = max(self.t_ref, now) + pre * self.dm.prefill_s_per_token
             self.prefill_tokens += pre
         return pre

@@ -1,13 +1,15 @@
 """The paper calibration (configs/sim/paper_*_math.yaml) must not drift.
 
-Runs, per model, every system at the smallest and the largest scale of the paper's Fig 11 with
-fewer warm-up / measured iterations than the docs table (the global-batch modes repeat after
-one iteration; the asynchronous ones need a few to fill their pipelines), and checks:
-each cell within the configs' tolerance of the paper (25%), the paper's ordering at the largest
-scale, and Laminar's speedup over verl at the largest scale. AReaL at the largest 7B scale is
-left out: under eta = infinity its batch composition drifts for tens of iterations (see
-docs/simulator.md), so only the full table can judge it. Cells the docs report at the edge of
-the tolerance are held to a looser bound here, so they still cannot drift away.
+Two tiers:
+- fast: per model, every system at the smallest and the largest scale of the paper's Fig 11,
+  with fewer warm-up / measured iterations than the paper (the global-batch modes repeat after
+  one iteration; the asynchronous ones need a few to fill their pipelines): each cell within
+  the configs' tolerance (25%), the paper's ordering and Laminar's speedup over verl at the
+  largest scale, and the scaling trend. AReaL at the largest 7B scale needs the paper's full
+  warm-up (with eta = infinity its batches only reach their steady token count after about ten
+  updates), so the fast tier leaves it to the full one.
+- full (`slow`): every cell of both tables with the paper's protocol (5 measured updates after
+  10 warm-up ones), each within 25% of the paper: the docs table, as a test.
 """
 import pathlib
 
@@ -23,8 +25,9 @@ SETUPS = {
     "paper_32b_math": (32, 512),
 }
 SKIP = {("paper_7b_math", "areal", 256)}
-# docs/simulator.md: one_step at 16 accelerators (7B) is +25% in the full table (+27% here)
-EDGE = {("paper_7b_math", "one_step", 16): 0.35}
+# docs/simulator.md: one_step at 16 accelerators (7B) is +25% in the full table (+27% in the
+# fast tier's short window); the full tier holds it to 25%
+EDGE = {("paper_7b_math", "one_step", 16): 0.30}
 
 
 def simulate(name):
@@ -79,3 +82,15 @@ def test_scaling_trend(calibrated):
         assert gains[which]["laminar"] == max(gains[which].values())
         assert max(gains[which][s] for s in ("verl", "one_step", "stream")) \
             < 0.5 * gains[which]["laminar"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_every_cell_within_tolerance_with_the_papers_protocol(name):
+    cfg = load_sim_config(ROOT / "configs" / "sim" / f"{name}.yaml")
+    assert (cfg.run.warmup_steps, cfg.run.measure_steps) == (10, 5)
+    ratios = {(c.system, c.accelerators): Sim(cfg, c).run().summary()["throughput"]
+              / c.paper_tokens_per_s for c in cfg.cells}
+    assert len(ratios) == 25
+    bad = {k: round(v, 3) for k, v in ratios.items() if abs(v - 1.0) > cfg.tolerance}
+    assert not bad, f"{name}: simulated / paper outside 1 +- {cfg.tolerance}: {bad}"

@@ -1,0 +1,208 @@
+"""Laminar: trajectory-level asynchrony with relays and repack [P §3-§5].
+
+Each rollout takes a batch of `max_concurrency` trajectories (whole groups), drains it on one
+weight version, then pulls the newest version its local relay holds (`Sim.relay_version`, the
+chain time model of `laminar_jax.weights.chain`); the learner stalls only for the publish.
+Rules from the runtime's pure functions: `modes.may_pull_weights`, `modes.repacks` and the
+repack plan `laminar_jax.manager.repack.plan` (Algorithm 1), run every `repack.interval_s` and
+after each publish; moved trajectories keep their version. Without relays a publish waits for
+a global sync barrier: every rollout drains its batch first, as GPU-direct sync without weight
+buffers would [P §2.4]. A lost machine's trajectories go to rollouts on the same version (the
+partial response pool) [P §7].
+"""
+
+from __future__ import annotations
+
+from laminar_jax.manager import modes
+from laminar_jax.manager.repack import RolloutLoad, plan
+from laminar_jax.sim import models
+from laminar_jax.sim.policy_base import Policy, split_evenly
+
+__all__ = ["Laminar"]
+
+
+class Laminar(Policy):
+    """Trajectory-level asynchrony with relays and repack [P §3-§5]."""
+
+    def __init__(self, sim):
+        super().__init__(sim)
+        self.relays = self.system.relays
+        self.repack = modes.repacks(sim.mode, enabled=self.system.repack)
+        self.pending: int | None = None     # relays off: version waiting for the barrier
+        self.barrier = False
+        self.rp = sim.cfg.repack
+        self.moves_kv = self.rp.transfer == "kv"
+
+    def start(self):
+        for r in self.sim.rollouts:
+            self.next_batch(r)
+        if self.repack:
+            self.sim.push(self.rp.interval_s, self._tick)
+
+    # ---------------------------------------------------------------- rollout lifecycle
+    def next_batch(self, r) -> None:
+        sim = self.sim
+        if not r.alive:
+            return
+        # drained, or released by repack / recovery with its trajectories already handed off
+        if not modes.may_pull_weights(sim.mode, in_flight=r.unfinished(), released=False):
+            raise RuntimeError(f"rollout {r.idx} asked for new weights with "
+                               f"{r.unfinished()} trajectories in flight")
+        if not self.relays and self.pending is not None:
+            r.phase = "wait"
+            self._check_barrier()
+            return
+        v = sim.relay_version(r) if self.relays else r.version
+        if v > r.version:
+            r.phase = "pull"
+            sim.push(sim.now + sim.pull_time, self._pull_done, (r, v))
+        else:
+            self._start_batch(r)
+
+    def _pull_done(self, arg) -> None:
+        r, v = arg
+        if not r.alive or r.phase != "pull":
+            return
+        r.version = v
+        self.sim.log("pull", rollout=r.idx, version=v)
+        self._start_batch(r)
+
+    def _start_batch(self, r) -> None:
+        r.phase = "run"
+        self.sim.assign(r, self.sim.take_trajectories(self.system.max_concurrency))
+
+    def on_drained(self, r):
+        if r.phase == "run":
+            self.next_batch(r)
+
+    # ---------------------------------------------------------------- learner (FIFO, the base's)
+    def on_train_done(self, final):
+        sim = self.sim
+        if self.relays:
+            stall = sim.wm.publish_stall_s
+            sim.block_learner(stall)
+            sim.publishes.append((sim.version, sim.now + stall))
+            sim.push(sim.now + stall, self._after_publish)
+        else:
+            self.pending = sim.version
+            sim.block_learner(float("inf"))
+            self._check_barrier()
+
+    def _after_publish(self, _=None) -> None:
+        self.try_train()
+        if self.repack:
+            self._repack()
+
+    def _check_barrier(self) -> None:
+        if self.pending is None or self.barrier:
+            return
+        if all(r.phase == "wait" for r in self.alive_rollouts()):
+            self.barrier = True
+            self.sim.push(self.sim.now + self.sim.sync_time, self._barrier_done)
+
+    def _barrier_done(self, _=None) -> None:
+        sim = self.sim
+        v, self.pending, self.barrier = self.pending, None, False
+        sim.learner_blocked_until = sim.now
+        sim.log("global_sync", version=v)
+        for r in self.alive_rollouts():
+            r.version = v
+            self._start_batch(r)
+        self.try_train()
+
+    # ---------------------------------------------------------------- repack [P §5]
+    def _tick(self, _=None) -> None:
+        self._repack()
+        self.sim.push(self.sim.now + self.rp.interval_s, self._tick)
+
+    def _repack(self) -> None:
+        sim = self.sim
+        loads = []
+        by_id = {}
+        for r in self.alive_rollouts("run"):
+            if r.incoming:
+                continue
+            r.advance(sim.now)
+            use = r.kv() / r.cap
+            loads.append(RolloutLoad(str(r.idx), r.version, use, r.kv_prev, r.unfinished()))
+            by_id[str(r.idx)] = r
+            r.kv_prev = use
+        moves = plan(loads, c_max=self.rp.c_max, roofline_batch=self.rp.roofline_batch)
+        for m in moves:
+            src, dst = by_id[m.source], by_id[m.destination]
+            self._move(src, dst)
+            sim.log("repack", source=src.idx, destination=dst.idx, version=m.version)
+            self.next_batch(src)
+
+    def _move(self, src, dst) -> None:
+        """Every unfinished trajectory of src goes to dst; those in a tool call follow at once,
+        the others (and, with transfer "kv", their KV cache) after overhead_s."""
+        ts = self.sim.ts
+        ids = src.extract()
+        for i in src.sleeping:
+            ts.where[i] = dst.idx
+            ts.repacks[i] += 1
+        dst.sleeping |= src.sleeping
+        src.sleeping = set()
+        self.sim.reschedule(src)
+        for i in ids:
+            ts.repacks[i] += 1
+        self._send(dst, ids, with_kv=self.moves_kv)
+
+    def _send(self, dst, ids, *, with_kv: bool) -> None:
+        """Trajectories reach dst after overhead_s (with their KV cache when with_kv)."""
+        if ids:
+            dst.incoming += len(ids)
+            self.sim.push(self.sim.now + self.rp.overhead_s, self._arrive, (dst, ids, with_kv))
+
+    def _arrive(self, arg) -> None:
+        dst, ids, with_kv = arg
+        sim = self.sim
+        dst.incoming -= len(ids)
+        if not dst.alive:
+            sim.requeued.extend(sim.restart_orphans(ids))
+            return
+        if with_kv:
+            dst.resident.update(ids)
+        sim.assign(dst, ids)
+        if sim.drained(dst):
+            self.on_drained(dst)
+
+    # ---------------------------------------------------------------- failures [P §7]
+    def on_fail(self, dead, orphans, sleeping):
+        """The dead machine's KV caches are gone: its trajectories re-prefill wherever they go."""
+        sim = self.sim
+        ts = sim.ts
+        by_version: dict[int, list[int]] = {}
+        fresh = []
+        for i in orphans + sleeping:
+            v = ts.gen_version[i]
+            (by_version.setdefault(v, []) if v >= 0 else fresh).append(i)
+        sleeping_set = set(sleeping)
+        for v, ids in by_version.items():
+            targets = [r for r in self.alive_rollouts("run") if r.version == v]
+            if not targets:
+                sim.requeued.extend(sim.restart_orphans(ids))
+                continue
+            targets.sort(key=lambda r: (r.kv(), r.idx))
+            for r, share in split_evenly(ids, targets):
+                moving = []
+                for i in share:
+                    if i in sleeping_set:
+                        ts.where[i] = r.idx
+                        r.sleeping.add(i)
+                    else:
+                        moving.append(i)
+                self._send(r, moving, with_kv=False)
+        for i in fresh:
+            ts.where[i] = -1
+        sim.requeued.extendleft(reversed(fresh))
+        if not self.relays:
+            self._check_barrier()
+
+    def on_recover(self, back):
+        sim = self.sim
+        for r in back:
+            r.phase = "idle"
+            delay = models.relay_arrival(sim.wm, sim.chain_position(r.machine), len(sim.chain))
+            sim.push(sim.now + delay, self.next_batch, r)
