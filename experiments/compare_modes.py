@@ -17,7 +17,11 @@ Modes: sync, one_step, stream, partial, laminar (repack on) and laminar without 
     python experiments/compare_modes.py --engines emulated --steps 8
 
 Throughput counts the steady part of a run: steps after the first (start-up and compiles
-excluded). Writes experiments/results/compare_modes.json and prints a table.
+excluded). "x sync" is tokens/s, the paper's throughput (prompt + response tokens consumed per
+second); trajectories/s follows it. Repack merges only rollouts on the same weight version, so
+it needs a global batch larger than one rollout's (as in the paper: 8192 trajectories against a
+few hundred per rollout); with `--groups` near one rollout's batch every rollout sits on its own
+version and repack has nothing to merge. Writes experiments/results/compare_modes.json and prints a table.
 """
 from __future__ import annotations
 
@@ -90,14 +94,15 @@ def measure(run_dir: str, summary: dict) -> dict:
 def table(results: dict) -> str:
     lines = []
     for engine, rows in results.items():
-        base = rows.get("sync", {}).get("trajectories_per_s")
-        lines.append(f"\n{engine} engine")
-        lines.append(f"{'mode':<18}{'traj/s':>8}{'tok/s':>8}{'x sync':>8}{'learner idle':>14}{'rollout idle':>14}"
-                     f"{'kv':>6}{'stale mean':>12}{'moves':>7}  staleness distribution")
+        base = rows.get("sync", {})
+        lines.append(f"\n{engine} engine (x sync: tokens/s, the paper's throughput, then trajectories/s)")
+        lines.append(f"{'mode':<18}{'traj/s':>8}{'tok/s':>8}{'x sync':>8}{'(traj)':>8}{'learner idle':>14}"
+                     f"{'rollout idle':>14}{'kv':>6}{'stale mean':>12}{'moves':>7}  staleness distribution")
         for mode, r in rows.items():
             dist = " ".join(f"{k}:{v:.2f}" for k, v in r["staleness"].items())
-            ratio = r["trajectories_per_s"] / base if base else float("nan")
-            lines.append(f"{mode:<18}{r['trajectories_per_s']:>8.1f}{r['tokens_per_s']:>8.0f}{ratio:>8.2f}"
+            ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+            ratio_traj = r["trajectories_per_s"] / base["trajectories_per_s"] if base else float("nan")
+            lines.append(f"{mode:<18}{r['trajectories_per_s']:>8.1f}{r['tokens_per_s']:>8.0f}{ratio:>8.2f}{ratio_traj:>8.2f}"
                          f"{r['learner_idle_pct']:>13.0f}%{r['rollout_idle_pct']:>13.0f}%{r['kv_use_pct']:>5.0f}%"
                          f"{r['staleness_mean']:>12.2f}{r['repack_moves']:>7}  {dist}")
     return "\n".join(lines)
@@ -144,10 +149,12 @@ def main(argv=None) -> dict:
         ray.shutdown()
     print(table(results))
     for engine, rows in results.items():
-        if "sync" in rows and "laminar" in rows:
-            print(f"{engine}: laminar / sync = {rows['laminar']['trajectories_per_s'] / rows['sync']['trajectories_per_s']:.2f}"
-                  + (f", laminar / laminar without repack = {rows['laminar']['trajectories_per_s'] / rows['laminar_no_repack']['trajectories_per_s']:.2f}"
-                     if "laminar_no_repack" in rows else ""))
+        lam = rows.get("laminar")
+        for other, label in (("sync", "sync"), ("laminar_no_repack", "laminar without repack")):
+            if lam and other in rows:
+                o = rows[other]
+                print(f"{engine}: laminar / {label} = {lam['tokens_per_s'] / o['tokens_per_s']:.2f} (tokens/s), "
+                      f"{lam['trajectories_per_s'] / o['trajectories_per_s']:.2f} (trajectories/s)")
     with open(os.path.join(args.out, "compare_modes.txt"), "w") as f:
         f.write(table(results) + "\n")
     return results

@@ -271,6 +271,9 @@ class RolloutWorker:
                 if len(group.done) == group.group.group_size:
                     del self.groups[gid]
                     self.undelivered.append(self._trajectories(group))
+            # A rollout released earlier and not yet ticked would otherwise pull newer weights
+            # under the adopted work: it holds a batch of this version again, to be drained.
+            self._released = False
             self.counters["adopted"] += len(partials)
             self._event("adopted", version=version, groups=len(groups), trajectories=len(partials))
             return True

@@ -91,8 +91,11 @@ class RolloutManager:
             return
         groups, partials = got
         moved = [p.moved_to(destination) for p in partials]
-        ok = call(self.rollouts[destination].adopt, version, groups, moved)
         gids = [g.group_id for g in groups]
+        try:
+            ok, error = call(self.rollouts[destination].adopt, version, groups, moved), None
+        except Exception as e:  # noqa: BLE001 - a destination that fails must not stop repack
+            ok, error = False, f"{type(e).__name__}: {e}"
         if ok:
             call(self.data.reassign, gids, destination)
             send(self.data.update_partials, moved)
@@ -104,7 +107,7 @@ class RolloutManager:
             call(self.data.requeue, gids)
             self.counters["failed_moves"] += 1
             self._event("repack_refused", source=source, destination=destination, version=version,
-                        groups=len(groups))
+                        groups=len(groups), error=error)
 
     def _failover(self, rid: str, why: str, live: dict[str, dict]) -> None:
         handle = self.rollouts.pop(rid)

@@ -148,3 +148,41 @@ def test_bad_rewards_and_undecodable_tokens_are_counted_and_never_stop_the_loop(
     assert kinds.count("decode_error") == len(undecodable)
     assert kinds.count("reward_error") == len(raised) + len(nan)
     assert w.failed is None
+
+
+class SwitchableWeights(FixedWeights):
+    """Fixed tensors whose published version the test advances."""
+
+
+def test_a_released_rollout_that_adopts_keeps_the_adopted_work_on_its_version(checkpoint_dirs):
+    """Released (repack source), then chosen as a destination before its next tick, while the
+    learner publishes a newer version: the adopted trajectories still finish on their version
+    (the release must not license a pull under adopted work)."""
+    folder = checkpoint_dirs[0]
+    data = data_actor()
+    src, dst = make_worker("src", folder, data), make_worker("dst", folder, data)
+    weights = SwitchableWeights(hf_tensors(folder), 0)
+    src.weights = dst.weights = weights
+    for _ in range(6):
+        with src._lock:
+            src._tick()
+    with dst._lock:
+        dst._tick()
+    dst_groups, dst_partials = dst.release(0)  # dst is released: it may pull newer weights now
+    data.requeue([g.group_id for g in dst_groups])
+    groups, partials = src.release(0)
+    assert dst.adopt(0, groups, [p.moved_to("dst") for p in partials])
+    data.reassign([g.group_id for g in groups], "dst")
+    weights.version = 1  # a publish lands before dst's next tick
+    for _ in range(200):
+        if not dst.groups:
+            break
+        with dst._lock:
+            dst._tick()
+    got = buffered(data)
+    adopted = {g.group_id for g in groups}
+    moved = [t for (gid, _), t in got.items() if gid in adopted]
+    assert len(moved) == len(adopted) * GROUP
+    for t in moved:
+        assert (t.token_versions == 0).all() and t.gen_version == 0, (t.group_id, t.token_versions)
+    assert data.accounting()["unaccounted"] == 0
