@@ -2,10 +2,12 @@
 
     python experiments/bench_weight_sync.py                       # default grid (a few minutes)
     python experiments/bench_weight_sync.py --sizes 10M,100M,1G,2G --relays 1,2,4,8 --repeats 3
+    python experiments/bench_weight_sync.py --transports tcp      # one relay transport only
 
 Every relay sits on its own emulated node (ray.cluster_utils.Cluster: one raylet and one object
-store per node), so each hop is a real transfer between object stores, over loopback on this one
-machine. For each model size (bytes of the bfloat16 engine layout) and relay count p:
+store per node) and is its own process, so each hop is a real transfer between processes (a TCP
+stream between relays, or one object store to another), over loopback on this one machine. For
+each model size (bytes of the bfloat16 engine layout) and relay count p:
 
   stall       time `Publisher.publish` blocks the learner (cast + device-to-host copy)
   step        one jitted AdamW train step of the same model (batch 1 x 256 tokens, CPU), so
@@ -15,11 +17,18 @@ machine. For each model size (bytes of the bfloat16 engine layout) and relay cou
   broadcast   master_restored (flat buffer ready at the master) -> last relay serves it
   chain / fanout / ray.put   broadcast time of the pipelined chain, of the master sending to
               every relay itself, and of a plain `ray.put` + concurrent `ray.get` on every node
+  transport   how chunk bytes move between relays: "tcp" (direct relay-to-relay streams,
+              `weights.stream`) or "object_store" (a Ray object per chunk and hop); chain and
+              fan-out run with each
   bound       M / memcpy bandwidth (one copy of the model at this machine's memcpy speed) and
               (p-1) M / aggregate memcpy bandwidth of all cores (every receiver writes M once)
 
 Results: a table on stdout and JSON in experiments/results/weight_sync.json (every run, per
-version, with the master's read / convert / checksum split and the tail relay's time split).
+version, with the master's read / convert / checksum split and the tail relay's time split:
+check_s (crc32), copy_s (object store only), serve_s (the final `ray.put` that rollouts map),
+via_tcp / via_object_store (chunks by transport); "projection" has one fit per transport).
+On 2 cores the relays, the master and every socket copy share the same CPUs, so for p > 2 the
+broadcast is CPU-bound: compare it with "machine s" as well as with the one-copy memcpy bound.
 Memory: the machine is shared, so a setting whose estimated peak (learner, store, ~3.5 copies per
 relay) does not fit in the available memory is skipped and listed under "skipped"; sizes >= 1 GiB
 run with at most --max-relays-large relays. A run with one setting, e.g.
@@ -144,7 +153,8 @@ def start_cluster(num_nodes: int, store_bytes: list[int]):
     return cluster, nodes
 
 
-def run_relays(cfg, params, nodes, topology: str, repeats: int) -> list[dict]:
+def run_relays(cfg, params, nodes, topology: str, repeats: int, transport: str = "tcp",
+               max_chunk_bytes: int | None = None) -> list[dict]:
     """Publishes 1 warm-up + `repeats` versions through a fresh relay group; per-version timings."""
     import ray
     from laminar_jax.weights import publish
@@ -155,7 +165,8 @@ def run_relays(cfg, params, nodes, topology: str, repeats: int) -> list[dict]:
     store = publish.WeightStore.local()
     pub = publish.Publisher(store, dtype="bfloat16", events=log)
     group = RelayGroup(cfg, store, nodes=nodes, topology=topology, publisher=pub, events=log,
-                       prefix=f"bench-{uuid.uuid4().hex[:6]}")
+                       prefix=f"bench-{uuid.uuid4().hex[:6]}", transport=transport,
+                       max_chunk_bytes=max_chunk_bytes)
     rows = []
     try:
         for version in range(1, repeats + 2):
@@ -196,7 +207,8 @@ def run_relays(cfg, params, nodes, topology: str, repeats: int) -> list[dict]:
 
 def _tail(received: list[dict], order) -> dict:
     tail = [r for r in received if r["relay"] == order[-1]][0]
-    return {k: tail.get(k, 0.0) for k in ("wait_s", "check_s", "copy_s", "forward_s", "serve_s")}
+    return {k: tail.get(k, 0.0) for k in ("wait_s", "check_s", "copy_s", "forward_s", "serve_s",
+                                          "via_tcp", "via_object_store")}
 
 
 def run_put_baseline(nbytes: int, nodes, repeats: int) -> list[float]:
@@ -248,15 +260,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-relays-large", type=int, default=2,
                     help="cap on p for sizes >= 1G (memory: each relay holds up to ~3 copies)")
     ap.add_argument("--repeats", type=int, default=2, help="measured versions per setting (<1G)")
+    ap.add_argument("--repeats-large", type=int, default=1, help="measured versions per setting (>=1G)")
     ap.add_argument("--measure-step-up-to", default="256M",
                     help="measure the train step up to this size; larger models scale the largest "
                          "measured step by parameter count (an fp32 AdamW step needs ~9x the bf16 "
                          "model bytes)")
+    ap.add_argument("--transports", default="tcp,object_store",
+                    help="relay transports to measure: tcp, object_store or both")
+    ap.add_argument("--max-chunk-bytes", default=None,
+                    help="cap on the chunk size (default: the relay group's for each transport)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     relays = sorted({int(p) for p in args.relays.split(",")})
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    bad = [t for t in transports if t not in ("tcp", "object_store")]
+    if bad or not transports:
+        ap.error(f"--transports: expected tcp and/or object_store, got {args.transports!r}")
     step_cap = parse_size(args.measure_step_up_to)
+    max_chunk = None if args.max_chunk_bytes is None else parse_size(args.max_chunk_bytes)
 
     def relays_for(size):
         return [p for p in relays if size < 2**30 or p <= args.max_relays_large]
@@ -300,7 +322,7 @@ def main(argv=None) -> dict:
         for size in sizes:
             cfg, step_s, nbytes, source = models[size]
             params = None
-            repeats = args.repeats if size < 2**30 else 1
+            repeats = args.repeats if size < 2**30 else args.repeats_large
             # most relays first, while the object stores (which keep their pages) are emptiest
             for p in sorted(relays_for(size), reverse=True):
                 if _memory_needed(nbytes, p) > _mem_available() - 2 * 2**30:
@@ -312,11 +334,14 @@ def main(argv=None) -> dict:
                 if params is None:
                     params = learner_params(cfg)[1]
                 put_s = run_put_baseline(nbytes, nodes[:p], repeats) if p > 1 else [0.0]
-                for topology in (("chain", "fanout") if p >= 3 else ("chain",)):
-                    rows = run_relays(cfg, params, nodes[:p], topology, repeats)
+                settings = [(t, topo) for t in (transports if p > 1 else transports[:1])
+                            for topo in (("chain", "fanout") if p >= 3 else ("chain",))]
+                for transport, topology in settings:
+                    rows = run_relays(cfg, params, nodes[:p], topology, repeats, transport, max_chunk)
                     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "version"}
                     row = {
                         "model_bytes": nbytes, "relays": p, "topology": topology,
+                        "transport": transport,
                         "train_step_s": step_s, "train_step_source": source, **med,
                         "put_broadcast_s": statistics.median(put_s),
                         "memcpy_bound_s": nbytes / bw1,
@@ -335,7 +360,7 @@ def main(argv=None) -> dict:
         ray.shutdown()
         cluster.shutdown()
 
-    proj = projection(results)
+    proj = {t: projection(results, t) for t in transports}
     report = {
         "machine": {"cores": cores, "platform": platform.platform(),
                     "memcpy_GBps_one_core": bw1 / 1e9, "memcpy_GBps_all_cores": bw_all / 1e9,
@@ -350,18 +375,22 @@ def main(argv=None) -> dict:
         json.dump(report, f, indent=1)
     print()
     print(_table(results))
-    if proj is not None:
-        print(f"\nprojection, {proj['model_bytes'] / 2**30:.0f} GiB, fitted hop: "
-              f"{1 / proj['t_byte'] / 1e9:.2f} GB/s + {1e3 * proj['t_start']:.1f} ms per message")
-        for r in proj["rows"]:
+    for transport, fit in proj.items():
+        if fit is None:
+            continue
+        print(f"\nprojection ({transport}), {fit['model_bytes'] / 2**30:.0f} GiB, fitted hop: "
+              f"{1 / fit['t_byte'] / 1e9:.2f} GB/s + {1e3 * fit['t_start']:.1f} ms per message")
+        for r in fit["rows"]:
             print(f"  p={r['relays']:4d}  chain (k={r['chunks']}) {r['chain_s']:7.2f} s   "
                   f"fan-out over one master link {r['fanout_s']:8.2f} s")
     print(f"\nwrote {args.out}")
     return report
 
 
-def projection(results: list[dict], model_bytes: float = 2**30, nodes=(8, 32, 128)) -> dict | None:
-    """The paper's time model (App. D) with single-hop constants fitted to the p = 2 runs.
+def projection(results: list[dict], transport: str = "tcp", model_bytes: float = 2**30,
+               nodes=(8, 32, 128)) -> dict | None:
+    """The paper's time model (App. D) with single-hop constants fitted to the p = 2 chain runs
+    of `transport`.
 
     A p = 2 broadcast of one chunk takes T_start + M T_byte; two model sizes give both constants.
     Projected: the chain T(p, k*) against a fan-out whose master sends p - 1 copies through its
@@ -370,7 +399,7 @@ def projection(results: list[dict], model_bytes: float = 2**30, nodes=(8, 32, 12
     """
     from laminar_jax.weights.chain import broadcast_time, optimal_chunks
     hops = sorted((r["model_bytes"], r["broadcast_s"]) for r in results
-                  if r["relays"] == 2 and r["topology"] == "chain")
+                  if r["relays"] == 2 and r["topology"] == "chain" and r["transport"] == transport)
     if len(hops) < 2 or hops[0][0] == hops[-1][0]:
         return None
     (m0, t0), (m1, t1) = hops[0], hops[-1]
@@ -386,7 +415,8 @@ def projection(results: list[dict], model_bytes: float = 2**30, nodes=(8, 32, 12
 
 
 COLUMNS = [("MiB", lambda r: f"{r['model_bytes'] / 2**20:.0f}"), ("p", lambda r: str(r["relays"])),
-           ("topology", lambda r: r["topology"]), ("k", lambda r: str(int(r["chunks"]))),
+           ("topology", lambda r: r["topology"]), ("transport", lambda r: r["transport"]),
+           ("k", lambda r: str(int(r["chunks"]))),
            ("stall s", lambda r: f"{r['stall_s']:.3f}"), ("step s", lambda r: f"{r['train_step_s']:.2f}"),
            ("stall/step", lambda r: f"{100 * r['stall_over_step']:.1f}%"),
            ("e2e s", lambda r: f"{r['e2e_s']:.3f}"), ("bcast s", lambda r: f"{r['broadcast_s']:.3f}"),

@@ -116,6 +116,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rollouts", type=int, default=4)
     p.add_argument("--groups", type=int, default=4, help="prompt groups per learner step")
     p.add_argument("--latency-scale", type=float, default=4.0)
+    p.add_argument("--learner-step-s", type=float, default=0.0,
+                   help="emulated engine: each learner update lasts at least this long (0: as fast as the CPU)")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments/results"))
     p.add_argument("--work", default="/tmp/laminar-compare-modes")
     args = p.parse_args(argv)
@@ -136,7 +138,8 @@ def main(argv=None) -> dict:
                 name = f"{engine}-{mode}-{int(time.time())}"
                 cfg = config(args.work, name, model_dir, args, MODES[mode])
                 t0 = time.time()
-                summary = driver.run(cfg, latency_model=lat, quiet=True)
+                summary = driver.run(cfg, latency_model=lat, quiet=True,
+                                     min_update_s=args.learner_step_s if engine == "emulated" else 0.0)
                 results[engine][mode] = measure(summary["run_dir"], summary)
                 r = results[engine][mode]
                 print(f"{engine:<9}{mode:<18} {r['trajectories_per_s']:6.1f} traj/s {r['tokens_per_s']:7.0f} tok/s "

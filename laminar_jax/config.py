@@ -207,7 +207,10 @@ class RelayConfig:
 
     num_chunks 0 picks the chunk count that minimises the chain time model with t_byte_s (seconds
     per byte on a link) and t_start_s (fixed cost per chunk). enabled=False makes rollouts read
-    the weight store directly (the ablation without relays).
+    the weight store directly (the ablation without relays). transport: how chunks go from relay
+    to relay, "tcp" (a direct stream per link, received into the version buffer and forwarded
+    from it) or "object_store" (Ray's); stream_timeout_s bounds a connect, a chunk's send and a
+    read inside a frame, so a dead peer is an event, not a hang.
     """
 
     enabled: bool = True
@@ -215,11 +218,13 @@ class RelayConfig:
     store_dir: str = "/dev/shm/laminar"
     t_byte_s: float = 1e-9
     t_start_s: float = 1e-3
+    transport: Literal["tcp", "object_store"] = "tcp"
+    stream_timeout_s: float = 60.0
 
     def __post_init__(self):
         _at_least(self, 0, "num_chunks")
         _non_empty(self, "store_dir")
-        _positive(self, "t_byte_s")
+        _positive(self, "t_byte_s", "stream_timeout_s")
         _non_negative(self, "t_start_s")
 
 

@@ -49,10 +49,12 @@ def _log_events(writer: RunWriter, events: list[dict]) -> None:
 
 
 def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
-        latency_model: Any = None, quiet: bool = False) -> dict:
+        latency_model: Any = None, min_update_s: float = 0.0, quiet: bool = False) -> dict:
     """Trains for `cfg.run.steps` learner steps (versions); returns the summary dict.
 
     on_step(step, fleet, metrics) is called after each step (tests kill rollouts from it).
+    latency_model / min_update_s (benchmarks): every decode step lasts what the model gives, every
+    learner update at least min_update_s, emulating accelerator-bound rollouts and learner.
     """
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     model_dir = cfg.model.hf_path
@@ -63,17 +65,18 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     writer = RunWriter(run_dir, cfg)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     try:
-        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model)
+        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s)
     finally:
         writer.close()
         if owns_ray:
             ray.shutdown()
 
 
-def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model) -> dict:
+def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s) -> dict:
     t0 = time.time()
     events = lambda kind, **f: writer.log_event(kind, **{k: v for k, v in f.items() if k != "time"})  # noqa: E731
-    fleet = Fleet.start(cfg, run_dir, model_dir, events=events, latency_model=latency_model)
+    fleet = Fleet.start(cfg, run_dir, model_dir, events=events, latency_model=latency_model,
+                        min_update_s=min_update_s)
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
     start = ray.get(fleet.learner.current_version.remote())

@@ -34,7 +34,7 @@ class Fleet:
 
     @classmethod
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
-              latency_model: Any = None, resume: bool = True) -> "Fleet":
+              latency_model: Any = None, resume: bool = True, min_update_s: float = 0.0) -> "Fleet":
         mesh = cfg.mesh
         learner_devices = max(1, mesh.data) * mesh.fsdp * mesh.tensor
         kind = cluster.accelerator_kind()
@@ -53,7 +53,7 @@ class Fleet:
         nodes = cluster.alive_nodes()
         learner = ray.remote(Learner).options(**cluster.actor_options(
             kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4)).remote(
-            cfg, run_dir, data, resume=resume)
+            cfg, run_dir, data, resume=resume, min_update_s=min_update_s)
         store = ray.get(learner.weight_store.remote())
         mcfg = engines.model_config(cfg, model_dir)
         relays, prefix = None, f"laminar-relay-{cfg.run.name}-{uuid.uuid4().hex[:6]}"
@@ -61,6 +61,7 @@ class Fleet:
             from laminar_jax.weights.relay_group import RelayGroup
             relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=cfg.relay.num_chunks or None,
                                 t_byte=cfg.relay.t_byte_s, t_start=cfg.relay.t_start_s, prefix=prefix,
+                                transport=cfg.relay.transport, stream_timeout_s=cfg.relay.stream_timeout_s,
                                 on_master_change=[lambda m: ray.get(learner.set_master.remote(m))],
                                 events=events, runtime_env={"env_vars": {
                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})

@@ -31,7 +31,7 @@ STALL_TIMEOUT_S = 900.0
 class Learner:
     """Holds the train state; `step()` runs one iteration and returns its log records."""
 
-    def __init__(self, cfg: Any, run_dir: str, data: Any, *, resume: bool = True):
+    def __init__(self, cfg: Any, run_dir: str, data: Any, *, resume: bool = True, min_update_s: float = 0.0):
         import jax
 
         from laminar_jax import sharding as shd
@@ -39,6 +39,8 @@ class Learner:
         from laminar_jax.weights.publish import Publisher, WeightStore
 
         self.cfg, self.data, self._jax, self._shd = cfg, data, jax, shd
+        # benchmarks only: an update lasts at least this long (an accelerator-bound learner)
+        self.min_update_s = float(min_update_s)
         self.mode = cfg.manager.mode
         self.group_size, self.global_batch = cfg.data.group_size, cfg.learner.global_batch_groups
         self.setup = build(cfg, total_steps=cfg.run.steps)
@@ -134,6 +136,9 @@ class Learner:
             metrics_parts.append(m)
             rows += r
         metrics = {key: float(np.mean([m[key] for m in metrics_parts])) for key in metrics_parts[0]}
+        short = self.min_update_s - (time.time() - t_start - waited)
+        if short > 0:
+            time.sleep(short)
         self.version = v + 1
         self.publisher.publish(self.version, self.state.params)
         self.data.set_learner_version.remote(self.version)

@@ -12,6 +12,9 @@ Kinds used by the weights package:
   master_restored, chunk_rejected, chunk_lost, version_dropped, version_aborted,
   relay_received, relay_resend, store_pruned, publish_skipped, relay_error
                                             (relay side, `relay.RelayWorker`)
+  stream_error, stream_fallback             (relay-to-relay TCP streams, `stream`: a failed
+                                            connect, send or read, and a link that switched to
+                                            the object store)
   relay_started, relay_dead, relink, master_failover   (`relay_group.RelayGroup`)
 """
 from __future__ import annotations

@@ -1,27 +1,36 @@
 """RelayWorker: one per node, holds the latest weights in host memory (Laminar §4, Fig 6, Fig 7).
 
-A relay is a Ray actor (threaded, CPU only) with one loop thread that handles its inbox in order:
+A relay is a Ray actor (threaded, CPU only). Chunk bytes move between relays over one of two
+transports (`transport=`):
+
+    "tcp"           (default) a direct stream per link (`weights.stream`): the upstream's sender
+                    thread writes chunk k from its memory, this relay reads it straight into its
+                    preallocated version buffer, forwards it downstream from that same memory
+                    (cut-through) while it reads chunk k+1, and the loop checks its crc32.
+    "object_store"  each chunk is a Ray object: `ray.put` upstream, `offer` here, `ray.get`.
+
+Control always goes through Ray. One loop thread handles the inbox in order:
 
     publish(version, path)   master only: `master.prepare` (restore the orbax checkpoint to host
                              numpy, engine layout, k checksummed chunks), send every chunk
                              downstream, serve the version, prune the weight store.
-    chunk(manifest, i, ref)  from upstream: fetch, forward to the downstream relay(s) at once
-                             (cut-through), check length and crc32, copy into the arriving
-                             buffer, and serve the version when all k chunks are in. A bad chunk
-                             is rejected and the arriving version dropped; the previous version
-                             stays served.
-    relink(downstream)       after a failure: ask each new downstream which chunks it lacks and
-                             send them from the current and the arriving version.
+    chunk / stream_chunk     a chunk arrived (object store / stream): check its length, offset and
+                             crc32, and serve the version when all k chunks are in. A bad chunk is
+                             rejected and the arriving version dropped; the previous version stays
+                             served. Chunks are forwarded before the check; every relay checks
+                             against the master's checksums itself.
+    relink                   after `set_downstream` linked each new downstream (a stream when
+                             both ends use tcp, else the object store): ask it which chunks it
+                             lacks and send them from the current and the arriving version.
 
-Pipelining: `offer` starts fetching a chunk from the upstream node as soon as it is offered (a
-small prefetch pool), so the loop checks and forwards chunk i while chunk i+1 is in transit.
-Each forwarded chunk is a new object in this node's object store (`ray.put`), owned here, so the
-next relay pulls it from this node and not from anywhere up the chain.
+A stream link that fails twice falls back to the object store ("stream_fallback" event), so a
+broken socket costs speed, not the version; a dead relay is cut out by the group's heartbeat.
 
 Rollouts call `latest()` (answers at once) or `wait_newer(version, timeout_s)`; both return a
 `Snapshot(version, buffer, index)` whose `buffer` is an ObjectRef to the whole flat buffer in this
 node's object store: `ray.get` on the same node maps it without copying (`pull` below). A relay
-holds the current version and at most one arriving version.
+holds the current version and at most one arriving version (plus, with tcp, the buffer of the
+last completed one, kept to receive the next version into warm pages).
 """
 from __future__ import annotations
 
@@ -35,10 +44,14 @@ from typing import Any
 import numpy as np
 import ray
 
-from laminar_jax.weights import flat, master
+from laminar_jax.weights import flat, master, stream
 from laminar_jax.weights.events import record
+from laminar_jax.weights.relay_links import Downstream
+from laminar_jax.weights.relay_state import Arrival, Versions
 
-__all__ = ["RelayWorker", "Snapshot", "pull"]
+__all__ = ["RelayWorker", "Snapshot", "pull", "TRANSPORTS"]
+
+TRANSPORTS = ("tcp", "object_store")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +63,20 @@ class Snapshot:
     index: tuple[flat.TensorEntry, ...]
 
 
-@dataclasses.dataclass(eq=False)
-class _Arriving:
-    manifest: flat.Manifest
-    buffer: np.ndarray
-    have: set[int] = dataclasses.field(default_factory=set)
-    # seconds this relay spent per step, reported with relay_received (where the time goes)
-    timings: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(
-        ("wait_s", "check_s", "copy_s", "forward_s"), 0.0))
+@dataclasses.dataclass(frozen=True)
+class _Claim:
+    arrival: Arrival
+    chunk: int
+    header: stream.Header
+    direct: bool                # read into the version buffer (else into scratch, to be rejected)
+
+
+class _Sink:
+    """The stream server's view of a relay (kept off the actor's remote methods)."""
+
+    def __init__(self, relay: "RelayWorker"):
+        self.claim, self.received = relay._stream_claim, relay._stream_received
+        self.lost, self.log = relay._stream_lost, relay._log
 
 
 class RelayWorker:
@@ -65,27 +84,35 @@ class RelayWorker:
 
     Args:
       name: this relay's id in the chain (the node id).
-      fetch_timeout_s: how long one chunk fetch may take before it counts as lost.
-      prefetch: chunks fetched ahead of the loop.
+      transport: "tcp" (direct streams, default) or "object_store" (see the module docstring).
+      fetch_timeout_s: how long one object-store chunk fetch may take before it counts as lost.
+      prefetch: object-store chunks fetched ahead of the loop.
+      stream_timeout_s: limit on connecting, on one chunk's send, and on a read inside a frame.
+      host: address to listen on (default: the node IP Ray reports).
+      stream_token: shared by the relays of one group; streams without it are dropped.
     """
 
-    def __init__(self, name: str, *, fetch_timeout_s: float = 120.0, prefetch: int = 2):
-        self.name = name
+    def __init__(self, name: str, *, transport: str = "tcp", fetch_timeout_s: float = 120.0,
+                 prefetch: int = 2, stream_timeout_s: float = 60.0, host: str | None = None,
+                 stream_token: str = ""):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"RelayWorker: transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.name, self.transport = name, transport
         self._fetch_timeout_s = fetch_timeout_s
         self._fetcher = concurrent.futures.ThreadPoolExecutor(prefetch, thread_name_prefix="fetch")
         self._inbox: queue.Queue = queue.Queue()
-        self._cond = threading.Condition()
         self._events: list[dict] = []
-        self._current: tuple[flat.Manifest, Any] | None = None   # (manifest, ObjectRef)
-        self._arriving: _Arriving | None = None
-        self._rejected = -1          # newest version dropped after a bad chunk
+        self._events_lock = threading.Lock()
+        self._versions = Versions(self._log, keep_spare=transport == "tcp")
         self._announced = -1         # master: newest version announced by the publisher
-        self._down: tuple = ()
+        self._down = Downstream(tcp=transport == "tcp", timeout_s=stream_timeout_s, log=self._log,
+                                token=stream_token)
         self._role: master.MasterRole | None = None
-        self._pending: list = []     # results of offers sent downstream, reaped as they finish
-        self._hold_after: int | None = None
-        self._forwarded = 0
-        self._released = threading.Event()
+        self._server = None
+        if transport == "tcp":
+            host = host or ray.util.get_node_ip_address()
+            self._server = stream.StreamServer(_Sink(self), host, timeout_s=stream_timeout_s,
+                                               token=stream_token)
         self._loop_thread = threading.Thread(target=self._loop, name="relay-loop", daemon=True)
         self._loop_thread.start()
 
@@ -96,16 +123,22 @@ class RelayWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def stream_address(self) -> tuple[str, int] | None:
+        """(host, port) this relay receives streams on; None with the object-store transport."""
+        return None if self._server is None else self._server.address
+
     def configure_master(self, role: master.MasterRole) -> None:
         self._role = role
 
     def set_downstream(self, downstream: list) -> None:
-        """New downstream relay handles (one in a chain, all others for a fan-out master)."""
-        self._inbox.put(("relink", (tuple(downstream),)))
+        """New downstream relay handles (one in a chain, all others for a fan-out master). The
+        links are open when this returns; the resend of what they lack follows on the loop."""
+        self._down.relink(tuple(downstream))
+        self._inbox.put(("relink", ()))
 
     def publish(self, version: int, path: str) -> None:
         """From the publisher: `version` is complete in the weight store at `path`."""
-        with self._cond:
+        with self._versions.cond:
             self._announced = max(self._announced, version)
         self._inbox.put(("publish", (version, path)))
 
@@ -116,59 +149,37 @@ class RelayWorker:
         self._inbox.put(("chunk", (manifest, chunk, fetch)))
 
     def latest(self) -> Snapshot | None:
-        with self._cond:
-            return self._snapshot()
+        return _snapshot(self._versions.current)
 
     def wait_newer(self, version: int, timeout_s: float | None = None) -> Snapshot | None:
         """The first complete version newer than `version`, or None after `timeout_s`."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._current is not None
-                                and self._current[0].version > version, timeout=timeout_s)
-            snap = self._snapshot()
-        return snap if snap is not None and snap.version > version else None
+        return _snapshot(self._versions.wait_newer(version, timeout_s))
 
     def chunks_held(self, version: int) -> frozenset[int] | None:
         """Chunks of `version` already accepted here, or None when this relay needs none of
         them (it serves this version or a newer one, or dropped it after a bad chunk)."""
-        with self._cond:
-            if self._current is not None and self._current[0].version >= version:
-                return None
-            if version <= self._rejected:
-                return None
-            arriving = self._arriving
-        if arriving is None or arriving.manifest.version != version:
-            return frozenset()
-        return frozenset(arriving.have)
+        return self._versions.chunks_held(version)
 
     def status(self) -> dict:
-        with self._cond:
-            arriving = self._arriving
-            return {
-                "name": self.name,
-                "master": self._role is not None,
-                "version": None if self._current is None else self._current[0].version,
-                "arriving": None if arriving is None else arriving.manifest.version,
-                "arriving_chunks": 0 if arriving is None else len(arriving.have),
-                "downstream": len(self._down),
-            }
+        return {"name": self.name, "master": self._role is not None, "transport": self.transport,
+                **self._versions.status(), "downstream": len(self._down)}
 
     def drain_events(self) -> list[dict]:
-        with self._cond:
+        with self._events_lock:
             out, self._events = self._events, []
         return out
 
     def hold(self, after_chunks: int) -> None:
         """Fault drill: stop forwarding after `after_chunks` more chunks until `release()`."""
-        self._released.clear()
-        self._hold_after = self._forwarded + after_chunks
+        self._down.hold(after_chunks)
 
     def release(self) -> None:
-        self._hold_after = None
-        self._released.set()
+        self._down.release()
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        handlers = {"publish": self._on_publish, "chunk": self._on_chunk, "relink": self._on_relink}
+        handlers = {"publish": self._on_publish, "chunk": self._on_chunk,
+                    "stream_chunk": self._on_stream_chunk, "relink": self._on_relink}
         while True:
             kind, args = self._inbox.get()
             try:
@@ -181,80 +192,98 @@ class RelayWorker:
         if role is None:
             self._log("relay_error", message="publish", error="not the master", version=version)
             return
-        with self._cond:
-            current = None if self._current is None else self._current[0].version
-            announced = self._announced
+        current = self._versions.current_version
         if current is not None and version <= current:
             return
-        if version < announced:   # a newer version is already queued: relays need only the latest
-            self._log("publish_skipped", version=version, newer=announced)
+        if version < self._announced:   # a newer version is queued: relays need only the latest
+            self._log("publish_skipped", version=version, newer=self._announced)
             return
         manifest, buffer, timings = master.prepare(role, version, path)
         self._log("master_restored", version=version, bytes=int(buffer.size),
                   chunks=manifest.num_chunks, **timings)
         clock = time.perf_counter()
         for i, (s, e) in enumerate(manifest.chunks):
-            self._forward(manifest, i, buffer[s:e])
+            self._down.forward(manifest, i, buffer[s:e])
         self._complete(manifest, buffer, forward_s=time.perf_counter() - clock)
         pruned = master.prune(role, version)
         if pruned:
             self._log("store_pruned", versions=pruned)
 
     def _on_chunk(self, manifest: flat.Manifest, i: int, fetch: concurrent.futures.Future) -> None:
-        v = manifest.version
-        with self._cond:
-            if (self._current is not None and v <= self._current[0].version) or v <= self._rejected:
-                fetch.cancel()
-                return
-        arriving = self._arriving
-        if arriving is None or arriving.manifest.version < v:
-            if arriving is not None:
-                self._log("version_dropped", version=arriving.manifest.version, superseded_by=v)
-            arriving = self._arriving = _Arriving(manifest, np.empty(manifest.total_bytes, np.uint8))
-        elif arriving.manifest.version > v or i in arriving.have:
+        """A chunk offered through the object store."""
+        versions = self._versions
+        claimed = None if versions.stale(manifest.version) else versions.claim(manifest, i)
+        if claimed is None or claimed[1] == "busy":   # not needed, or arriving over a stream now
             fetch.cancel()
             return
-        if manifest != arriving.manifest:
-            self._reject(manifest, i, "manifest differs from the one of the arriving version")
-            return
-        clock, timings = time.perf_counter(), arriving.timings
+        arrival, state = claimed
+        clock, timings = time.perf_counter(), arrival.timings
         try:
             data = fetch.result()
         except Exception as e:  # noqa: BLE001 - upstream died or the object is gone
             # The relink after the failure resends what is missing.
-            self._log("chunk_lost", version=v, chunk=i, error=type(e).__name__)
+            self._log("chunk_lost", version=manifest.version, chunk=i, error=type(e).__name__)
+            if state == "direct":
+                versions.done_receiving(arrival, i)
             return
         clock = _tick(timings, "wait_s", clock)
         # Cut-through: pass the chunk on before checking it, so a hop adds a fetch and a put to
-        # the pipeline, not the checksum and the copy too. Every relay checks against the
-        # master's checksums itself, so a damaged chunk is rejected wherever it arrives.
-        self._forward(manifest, i, data)
+        # the pipeline, not the checksum and the copy too.
+        self._down.forward(manifest, i, data)
         clock = _tick(timings, "forward_s", clock)
         problem = flat.check_chunk(manifest, i, data)
-        if problem is not None:
-            self._reject(manifest, i, problem)
-            return
-        clock = _tick(timings, "check_s", clock)
-        s, e = manifest.chunks[i]
-        arriving.buffer[s:e] = data
+        if problem is None:
+            clock = _tick(timings, "check_s", clock)
+            s, e = manifest.chunks[i]
+            arrival.buffer[s:e] = data
+            _tick(timings, "copy_s", clock)
         del data
-        arriving.have.add(i)
-        _tick(timings, "copy_s", clock)
-        if len(arriving.have) == manifest.num_chunks:
-            self._complete(manifest, arriving.buffer, **timings)
+        if state == "direct" and not versions.done_receiving(arrival, i):
+            return
+        if problem is not None:
+            versions.reject(manifest, i, problem)
+        elif versions.accept(arrival, i, "object_store"):
+            self._complete(manifest, arrival.buffer, arrival, **timings)
 
-    def _on_relink(self, downstream: tuple) -> None:
-        self._down = downstream
+    def _on_stream_chunk(self, claim: _Claim, view: np.ndarray) -> None:
+        """A chunk read from a stream (into the version buffer, or into scratch when its header
+        does not fit the manifest): check its length, offset and crc32, accept it."""
+        arrival, i, header = claim.arrival, claim.chunk, claim.header
+        versions = self._versions
+        if claim.direct:
+            if not versions.done_receiving(arrival, i):
+                return
+        elif versions.arriving is not arrival:
+            return
+        clock = time.perf_counter()
+        manifest = arrival.manifest
+        problem = flat.check_chunk(manifest, i, view)
+        if problem is None and header.offset != manifest.chunks[i][0]:
+            problem = (f"chunk {i}: header offset {header.offset} differs from the chunk start "
+                       f"{manifest.chunks[i][0]}")
+        if problem is None and header.crc32 != manifest.checksums[i]:
+            problem = f"chunk {i}: header crc32 {header.crc32:#010x} differs from the manifest's"
+        if problem is not None:
+            versions.reject(manifest, i, problem)
+            return
+        _tick(arrival.timings, "check_s", clock)
+        if versions.accept(arrival, i, "tcp"):
+            self._complete(manifest, arrival.buffer, arrival, **arrival.timings)
+
+    def _on_relink(self) -> None:
+        with self._versions.cond:
+            current, arrival = self._versions.current, self._versions.arriving
+            # streams forward chunks before the loop checks them: resend what landed as well
+            have = None if arrival is None else frozenset(arrival.have | arrival.landed)
         sources = []
-        with self._cond:
-            if self._current is not None:
-                sources.append((self._current[0], ray.get(self._current[1]), None))
-        if self._arriving is not None:
-            sources.append((self._arriving.manifest, self._arriving.buffer, self._arriving.have))
-        for relay in downstream:
-            for manifest, buffer, have in sources:
+        if current is not None:
+            sources.append((current[0], ray.get(current[1]), None, None))
+        if arrival is not None:
+            sources.append((arrival.manifest, arrival.buffer, have, arrival))
+        for link in self._down.links:
+            for manifest, buffer, have, owner in sources:
                 try:
-                    held = ray.get(relay.chunks_held.remote(manifest.version), timeout=30)
+                    held = ray.get(link.relay.chunks_held.remote(manifest.version), timeout=30)
                 except Exception as e:  # noqa: BLE001 - the group's next heartbeat handles it
                     self._log("relay_error", message="relink", error=repr(e))
                     break
@@ -263,61 +292,62 @@ class RelayWorker:
                 needed = [i for i in range(manifest.num_chunks)
                           if i not in held and (have is None or i in have)]
                 if needed:
-                    self._log("relay_resend", version=manifest.version, chunks=len(needed))
+                    self._log("relay_resend", version=manifest.version, chunks=len(needed),
+                              transport="object_store" if link.address is None else "tcp")
                 for i in needed:
                     s, e = manifest.chunks[i]
-                    self._send(relay, manifest, i, ray.put(buffer[s:e]))
+                    self._down.send(link, manifest, i, buffer[s:e], owner)
+
+    # ------------------------------------------------------------------ stream sink
+    def _stream_claim(self, manifest: flat.Manifest, header: stream.Header
+                      ) -> tuple[np.ndarray, _Claim] | None:
+        i = header.chunk
+        fits = (0 <= i < manifest.num_chunks and header.offset == manifest.chunks[i][0]
+                and header.length == manifest.chunks[i][1] - manifest.chunks[i][0])
+        claimed = self._versions.claim(manifest, i, fits=fits)
+        if claimed is None or claimed[1] == "busy":
+            return None
+        arrival, state = claimed
+        if state == "direct":
+            s, e = manifest.chunks[i]
+            return arrival.buffer[s:e], _Claim(arrival, i, header, True)
+        return np.empty(header.length, np.uint8), _Claim(arrival, i, header, False)
+
+    def _stream_received(self, claim: _Claim, view: np.ndarray) -> None:
+        if claim.direct:   # cut-through, from the version buffer itself
+            # Marked before forwarding: if a relink closes the link this forward goes to, the
+            # relink's resend (which runs after the new links are in place) includes this chunk.
+            with self._versions.cond:
+                claim.arrival.landed.add(claim.chunk)
+            clock = time.perf_counter()
+            self._down.forward(claim.arrival.manifest, claim.chunk, view, owner=claim.arrival)
+            _tick(claim.arrival.timings, "forward_s", clock)
+        self._inbox.put(("stream_chunk", (claim, view)))
+
+    def _stream_lost(self, claim: _Claim, error: str) -> None:
+        self._versions.done_receiving(claim.arrival, claim.chunk)
+        self._log("chunk_lost", version=claim.arrival.manifest.version, chunk=claim.chunk,
+                  error=error)
 
     # ------------------------------------------------------------------ helpers
-    def _forward(self, manifest: flat.Manifest, i: int, data: np.ndarray) -> None:
-        if self._hold_after is not None and self._forwarded >= self._hold_after:
-            self._released.wait()
-        self._forwarded += 1
-        if not self._down:
-            return
-        ref = ray.put(data)   # owned by this relay: the next hop pulls from this node
-        for relay in self._down:
-            self._send(relay, manifest, i, ref)
-
-    def _send(self, relay: Any, manifest: flat.Manifest, i: int, ref: Any) -> None:
-        self._pending.append(relay.offer.remote(manifest, i, [ref]))
-        done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
-        for result in done:   # collect errors of offers to dead relays so Ray does not warn
-            try:
-                ray.get(result)
-            except Exception:  # noqa: BLE001 - the heartbeat reports dead relays
-                pass
-
-    def _complete(self, manifest: flat.Manifest, buffer: np.ndarray, **timings: float) -> None:
+    def _complete(self, manifest: flat.Manifest, buffer: np.ndarray,
+                  arrival: Arrival | None = None, **timings: float) -> None:
         clock = time.perf_counter()
         ref = ray.put(buffer)   # this node's object store: rollouts here read it without copying
         timings["serve_s"] = time.perf_counter() - clock
-        with self._cond:
-            self._current = (manifest, ref)
-            if self._arriving is not None and self._arriving.manifest.version <= manifest.version:
-                self._arriving = None
-            self._cond.notify_all()
+        self._versions.serve(manifest, ref, arrival)
+        via = {} if arrival is None else {f"via_{k}": n for k, n in arrival.via.items()}
         self._log("relay_received", version=manifest.version, bytes=manifest.total_bytes,
-                  **timings)
-
-    def _reject(self, manifest: flat.Manifest, i: int, reason: str) -> None:
-        self._log("chunk_rejected", version=manifest.version, chunk=i, reason=reason)
-        with self._cond:
-            self._rejected = max(self._rejected, manifest.version)
-            if self._arriving is not None and self._arriving.manifest.version <= manifest.version:
-                self._arriving = None
-                self._log("version_aborted", version=manifest.version)
-
-    def _snapshot(self) -> Snapshot | None:
-        if self._current is None:
-            return None
-        manifest, ref = self._current
-        return Snapshot(manifest.version, ref, manifest.index)
+                  **via, **timings)
 
     def _log(self, kind: str, **fields: Any) -> None:
         rec = record(kind, relay=self.name, **fields)
-        with self._cond:
+        with self._events_lock:
             self._events.append(rec)
+
+
+def _snapshot(current: tuple[flat.Manifest, Any] | None) -> Snapshot | None:
+    return None if current is None else Snapshot(current[0].version, current[1], current[0].index)
 
 
 def _tick(timings: dict, key: str, since: float) -> float:

@@ -9,7 +9,9 @@ Placement: each relay is pinned to its node (hard node affinity) and named
 `{prefix}:{node_id}`, so a rollout worker finds the relay on its own node. The chain is
 `chain.chain_order(nodes, master_node)`; the master sits where it can read the weight store (the
 learner's node by default). `topology="fanout"` wires the master straight to every relay instead
-(the naive baseline of the benchmark).
+(the naive baseline of the benchmark). `transport="tcp"` (default) moves chunk bytes over direct
+relay-to-relay TCP streams (`weights.stream`); `"object_store"` moves them as Ray objects. Control
+(wiring, resend requests, pulls) always goes through Ray.
 
 Faults: a relay that stops answering with an actor error is evicted and `chain.relink` cuts it
 out; its upstream is re-pointed at its downstream and resends the chunks the downstream lacks. If
@@ -18,6 +20,7 @@ the master died, the next relay of the chain becomes master and the publisher (a
 """
 from __future__ import annotations
 
+import secrets
 from typing import Any, Callable, Sequence
 
 import ray
@@ -25,11 +28,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from laminar_jax.weights import chain
 from laminar_jax.weights.master import MasterRole
-from laminar_jax.weights.relay import RelayWorker
+from laminar_jax.weights.relay import TRANSPORTS, RelayWorker
 
 __all__ = ["RelayGroup", "local_relay", "DEFAULT_PREFIX"]
 
 DEFAULT_PREFIX = "laminar-relay"
+# Default chunk-size cap per transport. A stream chunk costs a 48-byte header, so small chunks are
+# cheap and let a relay check chunk k while it reads chunk k+1; an object-store chunk costs a put,
+# an actor call and a pull (~2 ms), so chunks there stay large.
+MAX_CHUNK_BYTES = {"tcp": 16 * 2**20, "object_store": 64 * 2**20}
 
 
 def _alive_nodes() -> list[str]:
@@ -52,26 +59,33 @@ class RelayGroup:
       master_node: where the master goes (default: the store's node, else the caller's node).
       topology: "chain" (pipelined chain, the paper's) or "fanout" (master sends to everyone).
       num_chunks: fix k; None lets the master pick `chain.optimal_chunks` for each version.
-      t_byte, t_start, max_chunks, max_chunk_bytes: how the master picks k (`MasterRole`).
+      t_byte, t_start, max_chunks, max_chunk_bytes: how the master picks k (`MasterRole`);
+        max_chunk_bytes None takes `MAX_CHUNK_BYTES[transport]`.
       publisher: a `publish.Publisher` to point at the master now and after every failover.
       on_master_change: more callbacks `(master_handle) -> None` (e.g. a remote learner's).
       events: `(kind, **fields)` sink; `EventLog.add` is used for relay records when present.
       prefix, namespace: actor names `{prefix}:{node_id}`.
       runtime_env: extra runtime_env for relay processes (JAX_PLATFORMS=cpu is always set, so a
         relay never takes an accelerator).
-      fetch_timeout_s, prefetch: per-relay settings (see RelayWorker).
+      transport: "tcp" or "object_store": how chunk bytes move between relays.
+      fetch_timeout_s, prefetch, stream_timeout_s: per-relay settings (see RelayWorker).
     """
 
     def __init__(self, cfg: Any, store: Any, *, nodes: Sequence[str] | None = None,
                  master_node: str | None = None, topology: str = "chain",
                  num_chunks: int | None = None, t_byte: float = 1e-9, t_start: float = 2e-3,
-                 max_chunks: int = 256, max_chunk_bytes: int = 64 * 2**20, publisher: Any = None,
+                 max_chunks: int = 256, max_chunk_bytes: int | None = None, publisher: Any = None,
                  on_master_change: Sequence[Callable[[Any], None]] = (),
                  events: Callable[..., None] | None = None, prefix: str = DEFAULT_PREFIX,
                  namespace: str | None = None, runtime_env: dict | None = None,
-                 fetch_timeout_s: float = 120.0, prefetch: int = 2):
+                 transport: str = "tcp", fetch_timeout_s: float = 120.0, prefetch: int = 2,
+                 stream_timeout_s: float = 60.0):
         if topology not in ("chain", "fanout"):
             raise ValueError(f"RelayGroup: topology must be 'chain' or 'fanout', got {topology!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"RelayGroup: transport must be one of {TRANSPORTS}, got {transport!r}")
+        if not stream_timeout_s > 0:
+            raise ValueError(f"RelayGroup: stream_timeout_s must be > 0, got {stream_timeout_s!r}")
         nodes = list(nodes) if nodes is not None else _alive_nodes()
         if not nodes:
             raise ValueError("RelayGroup: no nodes to place relays on")
@@ -79,6 +93,8 @@ class RelayGroup:
             here = ray.get_runtime_context().get_node_id()
             master_node = store.node_id if store.node_id in nodes else here
         self.cfg, self.store, self.topology = cfg, store, topology
+        if max_chunk_bytes is None:
+            max_chunk_bytes = MAX_CHUNK_BYTES[transport]
         self._role_args = dict(num_chunks=num_chunks, t_byte=t_byte, t_start=t_start,
                                max_chunks=max_chunks, max_chunk_bytes=max_chunk_bytes)
         self._publisher = publisher
@@ -89,7 +105,11 @@ class RelayGroup:
         env["env_vars"] = {"JAX_PLATFORMS": "cpu", **env.get("env_vars", {})}
         self._actor_options = dict(num_cpus=0, max_concurrency=64, namespace=namespace,
                                    runtime_env=env, max_restarts=0)
-        self._worker_args = dict(fetch_timeout_s=fetch_timeout_s, prefetch=prefetch)
+        self.transport = transport
+        self.stream_token = secrets.token_hex(16)   # relays of this group accept only each other
+        self._worker_args = dict(transport=transport, fetch_timeout_s=fetch_timeout_s,
+                                 prefetch=prefetch, stream_timeout_s=stream_timeout_s,
+                                 stream_token=self.stream_token)
         self.order: tuple[str, ...] = chain.chain_order(nodes, master_node)
         self.relays: dict[str, Any] = {node: self._start(node) for node in self.order}
         placed = ray.get([r.node_id.remote() for r in self.relays.values()])

@@ -1,6 +1,7 @@
 """Relays on an emulated 4-node Ray cluster: publish, chain broadcast, pull, faults.
 
-Real Ray (each node its own raylet and object store, so chunks really move between stores), real
+Chunks move between relays over their TCP streams (transport "tcp"; test_relay_transports.py
+compares it with the object-store transport). Real Ray (each node its own raylet and object store, so chunks really move between stores), real
 orbax. The learner is this test process (8 fake CPU devices from conftest); relay processes get 1
 device, so every restore crosses topologies. One cluster and one relay group serve the whole
 module (start-up dominates CI time); the tests run in file order and the last two are the
@@ -16,7 +17,6 @@ import numpy as np
 import pytest
 import ray
 from flax import nnx
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from laminar_jax import sharding as shd
@@ -28,6 +28,7 @@ from laminar_jax.weights import flat, publish
 from laminar_jax.weights.events import EventLog
 from laminar_jax.weights.relay import pull
 from laminar_jax.weights.relay_group import RelayGroup, local_relay
+from tests.laminar_jax.weights.weights_fixtures import start_cluster, wait_for
 from rollout.engine import Request, SamplingParams, run_to_completion
 from rollout.jax_engine import JaxEngine
 
@@ -52,7 +53,8 @@ class Stack:
         self.pub = publish.Publisher(self.store, dtype="bfloat16", events=self.log)
         self.group = RelayGroup(CFG, self.store, nodes=self.nodes, publisher=self.pub,
                                 events=self.log, num_chunks=CHUNKS, prefix="test-relay",
-                                runtime_env=ONE_DEVICE, fetch_timeout_s=30.0)
+                                runtime_env=ONE_DEVICE, fetch_timeout_s=30.0, transport="tcp",
+                                stream_timeout_s=30.0)
         self._versions = itertools.count(1)
         init_fn = lambda: Decoder(CFG, rngs=nnx.Rngs(0))  # noqa: E731
         self.sharded = ts.init_params(ts.shard_model(init_fn, shd.make_mesh(2, 2, 2)), init_fn)
@@ -68,14 +70,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if ray.is_initialized():   # a cluster an earlier test module left connected
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False))
-    for _ in range(NUM_NODES - 1):
-        c.add_node(num_cpus=2, object_store_memory=200 * 2**20, wait=False)
-    c.wait_for_nodes()
-    ray.init(address=c.address)
+    c = start_cluster(NUM_NODES, object_store_mb=200)
     st = None
     try:
         st = Stack(tmp_path_factory.mktemp("weights") / "store")
@@ -86,15 +81,6 @@ def stack(tmp_path_factory):
             st.pub.close()
         ray.shutdown()
         c.shutdown()
-
-
-def _wait(pred, timeout_s=90.0, what="condition"):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _await_version(group, version, nodes=None):
@@ -133,10 +119,14 @@ def test_publish_then_pull_every_relay_sharded_and_unsharded(stack):
         assert node in ray.experimental.get_object_locations([snap.buffer])[snap.buffer]["node_ids"]
     # each relay holds one complete version and nothing arriving; the store keeps the newest
     assert all(s["version"] == versions[1] and s["arriving"] is None for s in group.status().values())
-    _wait(lambda: stack.store.versions() == [versions[1]], what="store pruning")
+    wait_for(lambda: stack.store.versions() == [versions[1]], what="store pruning")
     group.collect_events()
     assert versions[0] in log.records("store_pruned")[-1]["versions"]
-    assert {r["relay"] for r in log.records("relay_received", version=versions[1])} == set(group.order)
+    received = {r["relay"]: r for r in log.records("relay_received", version=versions[1])}
+    assert set(received) == set(group.order)
+    # every chunk reached every relay over the relays' TCP streams
+    assert all((received[n]["via_tcp"], received[n]["via_object_store"]) == (CHUNKS, 0)
+               for n in group.order[1:])
 
 
 def test_rollout_on_a_relay_node_reads_without_copy_and_gets_learner_logits(stack):
@@ -246,13 +236,16 @@ def test_corrupt_or_truncated_chunk_is_rejected_and_previous_version_served(stac
     s, e = manifest.chunks[0]
     corrupt = fresh[s:e].copy()
     corrupt[10] ^= 0x40
-    relay.offer.remote(manifest, 0, [ray.put(corrupt)])
-    relay.offer.remote(flat.make_manifest(bad2, fresh, index, CHUNKS), 0, [ray.put(fresh[s:e - 5])])
 
-    def rejected():
+    def rejected(n):
         group.collect_events()
-        return len(log.records("chunk_rejected", relay=node)) == 2
-    _wait(rejected, what="two rejections")
+        return len(log.records("chunk_rejected", relay=node)) == n
+    # One at a time: the relay is a threaded actor, so two offers in flight may reach its loop in
+    # either order, and the newer version's rejection would make the older one not needed.
+    relay.offer.remote(manifest, 0, [ray.put(corrupt)])
+    wait_for(lambda: rejected(1), what="the crc32 rejection")
+    relay.offer.remote(flat.make_manifest(bad2, fresh, index, CHUNKS), 0, [ray.put(fresh[s:e - 5])])
+    wait_for(lambda: rejected(2), what="the length rejection")
     reasons = [r["reason"] for r in log.records("chunk_rejected", relay=node)]
     assert "crc32" in reasons[0] and "truncated" in reasons[1]
     got_version, buffer, _ = pull(relay)
@@ -287,8 +280,8 @@ def test_publish_returns_while_distribution_is_stalled(stack):
     stack.pub.publish(version, stack.params(4))   # would never return if it waited for the chain
     returned = log.records("publish_returned", version=version)
     assert len(returned) == 1
-    _wait(lambda: ray.get(first.status.remote())["version"] == version, what="the master")
-    _wait(lambda: ray.get(second.status.remote())["arriving"] == version, what="relay 2")
+    wait_for(lambda: ray.get(first.status.remote())["version"] == version, what="the master")
+    wait_for(lambda: ray.get(second.status.remote())["arriving"] == version, what="relay 2")
     assert all(s["version"] < version for s in list(group.status().values())[1:])
     ray.get(second.release.remote())
     _await_version(group, version)
@@ -306,10 +299,10 @@ def test_chain_of_four_survives_killing_the_second_relay_mid_broadcast(stack):
     params = stack.params(5)
     version = stack.version()
     stack.pub.publish(version, params)
-    _wait(lambda: ray.get(group.relay_for(fourth).status.remote())["arriving_chunks"] == 3,
+    wait_for(lambda: ray.get(group.relay_for(fourth).status.remote())["arriving_chunks"] == 3,
           what="three chunks at the tail")
     ray.kill(group.relay_for(second), no_restart=True)
-    _wait(lambda: group.check() == [second], what="the heartbeat to see the dead relay")
+    wait_for(lambda: group.check() == [second], what="the heartbeat to see the dead relay")
     assert group.order == (first, third, fourth)
     _await_version(group, version)
     want = _expected(params)[0]
@@ -320,7 +313,9 @@ def test_chain_of_four_survives_killing_the_second_relay_mid_broadcast(stack):
     assert log.records("relink")[-1]["order"] == [first, third, fourth]
     # only what the third relay lacked was resent, by the master
     resend = log.records("relay_resend", version=version)
-    assert [(r["relay"], r["chunks"]) for r in resend] == [(first, CHUNKS - 3)]
+    assert [(r["relay"], r["chunks"], r["transport"]) for r in resend] == [(first, CHUNKS - 3, "tcp")]
+    tails = {r["relay"]: r for r in log.records("relay_received", version=version)}
+    assert all(tails[n]["via_tcp"] == CHUNKS for n in (third, fourth))
     # a replacement relay on that node joins at the tail and gets the current version from it
     group.add(second)
     assert group.order == (first, third, fourth, second)
@@ -333,7 +328,7 @@ def test_master_failover_elects_next_relay_and_tells_the_publisher(stack):
     old_master, next_in_chain = group.order[:2]
     assert old_master == store.node_id
     ray.kill(group.master, no_restart=True)
-    _wait(lambda: group.check() == [old_master], what="the heartbeat to see the dead master")
+    wait_for(lambda: group.check() == [old_master], what="the heartbeat to see the dead master")
     assert group.master_node == next_in_chain and not store.readable_from(next_in_chain)
     failover = log.records("master_failover")
     assert [(r["old"], r["new"]) for r in failover] == [(old_master, next_in_chain)]
@@ -348,4 +343,4 @@ def test_master_failover_elects_next_relay_and_tells_the_publisher(stack):
         assert np.array_equal(pull(group.relay_for(node))[1], _expected(params)[0]), node
     group.collect_events()
     assert [r["relay"] for r in log.records("master_restored", version=version)] == [next_in_chain]
-    _wait(lambda: store.versions() == [version], what="store pruning by the new master")
+    wait_for(lambda: store.versions() == [version], what="store pruning by the new master")

@@ -1,0 +1,155 @@
+"""What one relay holds: the served version, the one arriving, and which of its chunks are in.
+
+A relay serves one complete version and fills at most one arriving version (Laminar §4.2); chunks
+of the arriving version come from the object store (the relay's loop) or from streams (receiver
+threads), so every transition happens here, under one condition variable:
+
+    claim(manifest, i)   chunk i of `manifest` is coming: None if it is not needed (an older
+                         version, one rejected before, a chunk already in); a newer version
+                         replaces the arriving one ("version_dropped"). A chunk being read from
+                         one connection is "busy" for the others, so two streams never write the
+                         same bytes at once.
+    accept(arrival, i)   chunk i passed its checks; True when it completes the version.
+    serve(...)           the complete version becomes the served one.
+    reject(...)          a bad chunk: the arriving version is dropped, the served one stays, and
+                         later chunks of that version are ignored.
+
+With streams the buffer of the last completed arrival is kept (`keep_spare`) and the next version
+is received into it: its pages are already mapped, so receiving does not fault them in again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from laminar_jax.weights import flat
+
+__all__ = ["Arrival", "Versions"]
+
+
+@dataclasses.dataclass(eq=False)
+class Arrival:
+    manifest: flat.Manifest
+    buffer: np.ndarray
+    have: set[int] = dataclasses.field(default_factory=set)
+    receiving: set[int] = dataclasses.field(default_factory=set)   # being read from a stream
+    landed: set[int] = dataclasses.field(default_factory=set)      # read in full, maybe unchecked
+    sending: int = 0            # forwards still queued on stream links (they read `buffer`)
+    via: dict = dataclasses.field(default_factory=lambda: {"tcp": 0, "object_store": 0})
+    # seconds this relay spent per step, reported with relay_received (where the time goes)
+    timings: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(
+        ("wait_s", "check_s", "copy_s", "forward_s"), 0.0))
+
+
+class Versions:
+    """The served version (manifest, ObjectRef) and the arriving one of one relay."""
+
+    def __init__(self, log: Callable[..., None], *, keep_spare: bool):
+        self.cond = threading.Condition()
+        self.current: tuple[flat.Manifest, Any] | None = None
+        self.arriving: Arrival | None = None
+        self._spare: Arrival | None = None
+        self._keep_spare = keep_spare
+        self._rejected = -1          # newest version dropped after a bad chunk
+        self._log = log
+
+    @property
+    def current_version(self) -> int | None:
+        return None if self.current is None else self.current[0].version
+
+    def stale(self, version: int) -> bool:
+        """This relay needs nothing of `version` (it serves it or newer, or rejected it)."""
+        with self.cond:
+            return ((self.current is not None and version <= self.current[0].version)
+                    or version <= self._rejected)
+
+    def claim(self, manifest: flat.Manifest, i: int, *, fits: bool | None = None
+              ) -> tuple[Arrival, str] | None:
+        """None if chunk `i` is not needed; else (arrival, state) with state "direct" (write it
+        into `arrival.buffer`, then `done_receiving`), "busy" (it is being received on another
+        connection) or "misfit" (it cannot be placed: check it, which rejects it)."""
+        v = manifest.version
+        with self.cond:
+            if self.stale(v):
+                return None
+            arrival = self.arriving
+            if arrival is None or arrival.manifest.version < v:
+                if arrival is not None:
+                    self._log("version_dropped", version=arrival.manifest.version, superseded_by=v)
+                arrival = self.arriving = self._new_arrival(manifest)
+            elif arrival.manifest.version > v or i in arrival.have:
+                return None
+            if manifest != arrival.manifest:
+                self.reject(manifest, i, "manifest differs from the one of the arriving version")
+                return None
+            if not (0 <= i < manifest.num_chunks if fits is None else fits):
+                return arrival, "misfit"
+            if i in arrival.receiving:
+                return arrival, "busy"
+            arrival.receiving.add(i)
+            return arrival, "direct"
+
+    def _new_arrival(self, manifest: flat.Manifest) -> Arrival:
+        spare, self._spare = self._spare, None
+        if (spare is not None and spare.buffer.size == manifest.total_bytes and spare.sending == 0
+                and not spare.receiving):
+            return Arrival(manifest, spare.buffer)
+        return Arrival(manifest, np.empty(manifest.total_bytes, np.uint8))
+
+    def done_receiving(self, arrival: Arrival, i: int) -> bool:
+        """Ends a "direct" claim; True if chunk `i` of `arrival` is still wanted."""
+        with self.cond:
+            arrival.receiving.discard(i)
+            return self.arriving is arrival and i not in arrival.have
+
+    def accept(self, arrival: Arrival, i: int, via: str) -> bool:
+        """Chunk `i` passed its checks; True when it completes the version."""
+        with self.cond:
+            if self.arriving is not arrival or i in arrival.have:
+                return False
+            arrival.have.add(i)
+            arrival.via[via] += 1
+            return len(arrival.have) == arrival.manifest.num_chunks
+
+    def serve(self, manifest: flat.Manifest, ref: Any, arrival: Arrival | None) -> None:
+        with self.cond:
+            self.current = (manifest, ref)
+            if self.arriving is not None and self.arriving.manifest.version <= manifest.version:
+                self.arriving = None
+            if arrival is not None and self._keep_spare:
+                self._spare = arrival
+            self.cond.notify_all()
+
+    def reject(self, manifest: flat.Manifest, i: int, reason: str) -> None:
+        self._log("chunk_rejected", version=manifest.version, chunk=i, reason=reason)
+        with self.cond:
+            self._rejected = max(self._rejected, manifest.version)
+            if self.arriving is not None and self.arriving.manifest.version <= manifest.version:
+                self.arriving = None   # never the spare: a stream may still be writing into it
+                self._log("version_aborted", version=manifest.version)
+
+    def chunks_held(self, version: int) -> frozenset[int] | None:
+        with self.cond:
+            if self.stale(version):
+                return None
+            arrival = self.arriving
+            if arrival is None or arrival.manifest.version != version:
+                return frozenset()
+            return frozenset(arrival.have)
+
+    def wait_newer(self, version: int, timeout_s: float | None) -> tuple[flat.Manifest, Any] | None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.current is not None
+                               and self.current[0].version > version, timeout=timeout_s)
+            current = self.current
+        return current if current is not None and current[0].version > version else None
+
+    def status(self) -> dict:
+        with self.cond:
+            arrival = self.arriving
+            return {"version": self.current_version,
+                    "arriving": None if arrival is None else arrival.manifest.version,
+                    "arriving_chunks": 0 if arrival is None else len(arrival.have)}

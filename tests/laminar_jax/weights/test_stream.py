@@ -1,0 +1,160 @@
+"""Relay-to-relay TCP streams (`weights.stream`) with real sockets on loopback, without Ray."""
+import socket
+import threading
+import time
+
+import numpy as np
+
+from laminar_jax.weights import flat, stream
+
+HOST = "127.0.0.1"
+TOKEN = "group-token"
+
+
+class Sink:
+    """Receives every chunk into one buffer laid out like the manifest; records all calls."""
+
+    def __init__(self, size: int):
+        self.buffer = np.zeros(size, np.uint8)
+        self.got, self.lost_calls, self.events = [], [], []
+        self.cond = threading.Condition()
+
+    def claim(self, manifest, header):
+        s, e = manifest.chunks[header.chunk]
+        return self.buffer[s:e], (manifest, header)
+
+    def received(self, ticket, view):
+        with self.cond:
+            self.got.append(ticket)
+            self.cond.notify_all()
+
+    def lost(self, ticket, error):
+        with self.cond:
+            self.lost_calls.append((ticket, error))
+            self.cond.notify_all()
+
+    def log(self, kind, **fields):
+        with self.cond:
+            self.events.append((kind, fields))
+            self.cond.notify_all()
+
+    def wait(self, pred, timeout_s=20.0):
+        with self.cond:
+            assert self.cond.wait_for(pred, timeout=timeout_s), "timed out"
+
+
+def _manifest(version=3, nbytes=3 * 2**20 + 77, k=5, seed=0):
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    buffer, index = flat.flatten({"w": data, "b": data[:1000].view(np.int8)})
+    return flat.make_manifest(version, buffer, index, k), buffer
+
+
+def test_manifest_json_round_trip_is_exact():
+    manifest, _ = _manifest()
+    assert stream.manifest_from_json(stream.manifest_to_json(manifest)) == manifest
+
+
+def test_link_delivers_chunks_in_order_with_headers_of_the_manifest():
+    manifest, buffer = _manifest()
+    sink = Sink(buffer.size)
+    server = stream.StreamServer(sink, HOST, timeout_s=5.0, token=TOKEN)
+    events, fallback = [], []
+    link = stream.StreamLink("relay", server.address, timeout_s=5.0, token=TOKEN,
+                             log=lambda kind, **f: events.append(kind),
+                             fallback=lambda *a: fallback.append(a))
+    done = []
+    try:
+        order = [2, 0, 4, 1, 3]
+        for i in order:
+            s, e = manifest.chunks[i]
+            link.send(manifest, i, buffer[s:e], lambda i=i: done.append(i))
+        sink.wait(lambda: len(sink.got) == len(order))
+    finally:
+        link.close()
+        server.close()
+    assert np.array_equal(sink.buffer, buffer)
+    got = [(m.version, h.chunk, h.offset, h.length, h.crc32) for m, h in sink.got]
+    assert got == [(3, i, manifest.chunks[i][0], manifest.chunks[i][1] - manifest.chunks[i][0],
+                    manifest.checksums[i]) for i in order]
+    assert all(m == manifest for m, _ in sink.got)   # the manifest crossed the wire intact
+    assert done == order and events == [] and fallback == []
+
+
+def test_connection_closed_mid_chunk_is_lost_and_logged_not_hung():
+    manifest, buffer = _manifest()
+    sink = Sink(buffer.size)
+    server = stream.StreamServer(sink, HOST, timeout_s=5.0, token=TOKEN)
+    try:
+        sock = stream.connect(server.address, 5.0, TOKEN)
+        stream.write_manifest(sock, manifest)
+        s, e = manifest.chunks[1]
+        sock.sendall(stream._HEADER.pack(stream.MAGIC, stream.CHUNK, 3, 1, s, e - s,
+                                         manifest.checksums[1]))
+        sock.sendall(buffer[s:s + (e - s) // 2])
+        sock.close()
+        sink.wait(lambda: sink.lost_calls and any(k == "stream_error" for k, _ in sink.events))
+    finally:
+        server.close()
+    assert sink.got == []
+    (ticket, error), = sink.lost_calls
+    assert ticket[1].chunk == 1 and f"after {(e - s) // 2} of {e - s} bytes" in error
+
+
+def test_a_stalled_reader_times_out_the_sender_which_falls_back():
+    """A peer that accepts but never reads: each send gives up after timeout_s, the link retries
+    once on a new connection, then logs stream_fallback and hands the chunk to the fallback."""
+    listener = socket.create_server((HOST, 0))
+    manifest, _ = _manifest(nbytes=64 * 2**20, k=1)   # more than the socket buffers hold
+    data = np.zeros(manifest.total_bytes, np.uint8)
+    events, fallback, done = [], [], threading.Event()
+    start = time.monotonic()
+    link = stream.StreamLink("relay", listener.getsockname(), timeout_s=0.5,
+                             log=lambda kind, **f: events.append((kind, f)),
+                             fallback=lambda m, i, view: fallback.append((m.version, i, view.size)))
+    try:
+        link.send(manifest, 0, data, done.set)
+        assert done.wait(20.0)
+    finally:
+        link.close()
+        listener.close()
+    assert time.monotonic() - start < 20.0
+    kinds = [k for k, _ in events]
+    assert kinds == ["stream_error", "stream_error", "stream_fallback"]
+    assert [f["retry"] for k, f in events[:2]] == [True, False]
+    assert "timed out" in events[0][1]["error"]
+    assert fallback == [(3, 0, data.size)]
+
+
+def test_bad_frames_are_logged_and_the_server_keeps_serving():
+    manifest, buffer = _manifest()
+    sink = Sink(buffer.size)
+    server = stream.StreamServer(sink, HOST, timeout_s=5.0, token=TOKEN)
+    try:
+        bad = stream.connect(server.address, 5.0, TOKEN)
+        bad.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
+        # a connection without the group's token gets nothing in, whatever it sends
+        stranger = stream.connect(server.address, 5.0, "another-run")
+        s, e = manifest.chunks[0]
+        try:
+            stream.write_manifest(stranger, manifest)
+            stream.write_chunk(stranger, manifest, 0, buffer[s:e])
+        except ConnectionError:
+            pass   # the server may already have dropped the connection
+        sink.wait(lambda: any("token" in f.get("error", "") for _, f in sink.events))
+        assert sink.got == []
+        sink.wait(lambda: any("bad frame header" in f.get("error", "") for _, f in sink.events))
+        # a chunk before its manifest is dropped; the frames after it on the connection count
+        sock = stream.connect(server.address, 5.0, TOKEN)
+        s, e = manifest.chunks[0]
+        stream.write_chunk(sock, manifest, 0, buffer[s:e])
+        stream.write_manifest(sock, manifest)
+        stream.write_chunk(sock, manifest, 0, buffer[s:e])
+        sink.wait(lambda: len(sink.got) == 1)
+        sock.close()
+    finally:
+        server.close()
+    errors = [f["error"] for k, f in sink.events if k == "stream_error"]
+    assert any("bad frame header" in x for x in errors)
+    assert any("token does not match" in x for x in errors)
+    assert "chunk before its version's manifest" in errors
+    assert np.array_equal(sink.buffer[s:e], buffer[s:e])
