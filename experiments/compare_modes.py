@@ -15,6 +15,9 @@ Modes: sync, one_step, stream, partial, laminar (repack on) and laminar without 
 
     python experiments/compare_modes.py                       # both engines, all modes
     python experiments/compare_modes.py --engines emulated --steps 8
+    # rollout-bound, versions shared by several rollouts (the paper's regime; repack can pair them):
+    python experiments/compare_modes.py --engines emulated --modes laminar,laminar_no_repack,sync \
+        --steps 8 --groups 16 --latency-scale 12   # results/compare_modes_rollout_bound.*
 
 Throughput counts the steady part of a run: steps after the first (start-up and compiles
 excluded). "x sync" is tokens/s, the paper's throughput (prompt + response tokens consumed per
