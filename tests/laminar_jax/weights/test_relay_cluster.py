@@ -67,6 +67,14 @@ class Stack:
         """Sharded learner params, distinct per seed (same shardings, no recompile)."""
         return self._shift(self.sharded, jnp.float32(seed) * 1e-3)
 
+    def publish_everywhere(self, seed: int):
+        """Publishes the params of `seed` as a new version and waits until every relay has it;
+        returns (version, params)."""
+        params, version = self.params(seed), self.version()
+        self.pub.publish(version, params)
+        _await_version(self.group, version)
+        return version, params
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
@@ -131,10 +139,7 @@ def test_publish_then_pull_every_relay_sharded_and_unsharded(stack):
 
 def test_rollout_on_a_relay_node_reads_without_copy_and_gets_learner_logits(stack):
     group = stack.group
-    params = stack.params(2)
-    version = stack.version()
-    stack.pub.publish(version, params)
-    _await_version(group, version)
+    version, params = stack.publish_everywhere(2)
     tail = group.order[-1]
 
     @ray.remote(num_cpus=0)
@@ -185,10 +190,7 @@ def _continuations(done):
 
 def test_jax_engine_on_a_relay_node_loads_the_pulled_version_and_generates_with_it(stack):
     group = stack.group
-    params = stack.params(7)
-    version = stack.version()
-    stack.pub.publish(version, params)
-    _await_version(group, version)
+    version, params = stack.publish_everywhere(7)
     tail = group.order[-1]
     # The engine starts on other weights: an independent random init, in the rollout dtype.
     start = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16)),
@@ -335,10 +337,7 @@ def test_master_failover_elects_next_relay_and_tells_the_publisher(stack):
     # the publisher was pointed at the new master and announced its newest version again
     latest = stack.pub.latest_written
     assert log.records("publish_announced", version=latest)[-1]["t"] > failover[0]["t"]
-    params = stack.params(6)
-    version = stack.version()
-    stack.pub.publish(version, params)
-    _await_version(group, version)
+    version, params = stack.publish_everywhere(6)
     for node in group.order:
         assert np.array_equal(pull(group.relay_for(node))[1], _expected(params)[0]), node
     group.collect_events()
