@@ -2,7 +2,7 @@
 
     python experiments/bench_weight_sync.py                       # default grid (a few minutes)
     python experiments/bench_weight_sync.py --sizes 10M,100M,1G,2G --relays 1,2,4,8 --repeats 3
-    python experiments/bench_weight_sync.py --transports tcp      # one relay transport only
+    python experiments/bench_weight_sync.py --transports shm      # one relay setting only
 
 Every relay sits on its own emulated node (ray.cluster_utils.Cluster: one raylet and one object
 store per node) and is its own process, so each hop is a real transfer between processes (a TCP
@@ -17,16 +17,21 @@ each model size (bytes of the bfloat16 engine layout) and relay count p:
   broadcast   master_restored (flat buffer ready at the master) -> last relay serves it
   chain / fanout / ray.put   broadcast time of the pipelined chain, of the master sending to
               every relay itself, and of a plain `ray.put` + concurrent `ray.get` on every node
-  transport   how chunk bytes move between relays: "tcp" (direct relay-to-relay streams,
-              `weights.stream`) or "object_store" (a Ray object per chunk and hop); chain and
-              fan-out run with each
+  transport   how chunk bytes move between relays, and how a relay serves its rollouts:
+                shm           the default config: TCP streams, version buffers in shared memory;
+                              relays on one host (all of them here) copy each chunk from the
+                              upstream's buffer, and serving is a mapping (no copy)
+                tcp           shared memory off, as between hosts: chunk bytes cross the sockets
+                              (`weights.stream`), each version is served through `ray.put`
+                object_store  a Ray object per chunk and hop, served through `ray.put`
+              chain and fan-out run with each
   bound       M / memcpy bandwidth (one copy of the model at this machine's memcpy speed) and
               (p-1) M / aggregate memcpy bandwidth of all cores (every receiver writes M once)
 
 Results: a table on stdout and JSON in experiments/results/weight_sync.json (every run, per
 version, with the master's read / convert / checksum split and the tail relay's time split:
-check_s (crc32), copy_s (object store only), serve_s (the final `ray.put` that rollouts map),
-via_tcp / via_object_store (chunks by transport); "projection" has one fit per transport).
+check_s (crc32), copy_s (object store only), serve_s (the final `ray.put` that rollouts map; ~0
+with shared memory), via_shared_memory / via_tcp / via_object_store (chunks by way); "projection" has one fit per transport).
 On 2 cores the relays, the master and every socket copy share the same CPUs, so for p > 2 the
 broadcast is CPU-bound: compare it with "machine s" as well as with the one-copy memcpy bound.
 Memory: the machine is shared, so a setting whose estimated peak (learner, store, ~3.5 copies per
@@ -153,7 +158,10 @@ def start_cluster(num_nodes: int, store_bytes: list[int]):
     return cluster, nodes
 
 
-def run_relays(cfg, params, nodes, topology: str, repeats: int, transport: str = "tcp",
+TRANSPORTS = {"shm": ("tcp", True), "tcp": ("tcp", False), "object_store": ("object_store", False)}
+
+
+def run_relays(cfg, params, nodes, topology: str, repeats: int, transport: str = "shm",
                max_chunk_bytes: int | None = None) -> list[dict]:
     """Publishes 1 warm-up + `repeats` versions through a fresh relay group; per-version timings."""
     import ray
@@ -165,8 +173,8 @@ def run_relays(cfg, params, nodes, topology: str, repeats: int, transport: str =
     store = publish.WeightStore.local()
     pub = publish.Publisher(store, dtype="bfloat16", events=log)
     group = RelayGroup(cfg, store, nodes=nodes, topology=topology, publisher=pub, events=log,
-                       prefix=f"bench-{uuid.uuid4().hex[:6]}", transport=transport,
-                       max_chunk_bytes=max_chunk_bytes)
+                       prefix=f"bench-{uuid.uuid4().hex[:6]}", transport=TRANSPORTS[transport][0],
+                       shared_memory=TRANSPORTS[transport][1], max_chunk_bytes=max_chunk_bytes)
     rows = []
     try:
         for version in range(1, repeats + 2):
@@ -208,7 +216,7 @@ def run_relays(cfg, params, nodes, topology: str, repeats: int, transport: str =
 def _tail(received: list[dict], order) -> dict:
     tail = [r for r in received if r["relay"] == order[-1]][0]
     return {k: tail.get(k, 0.0) for k in ("wait_s", "check_s", "copy_s", "forward_s", "serve_s",
-                                          "via_tcp", "via_object_store")}
+                                          "via_shared_memory", "via_tcp", "via_object_store")}
 
 
 def run_put_baseline(nbytes: int, nodes, repeats: int) -> list[float]:
@@ -265,8 +273,8 @@ def main(argv=None) -> dict:
                     help="measure the train step up to this size; larger models scale the largest "
                          "measured step by parameter count (an fp32 AdamW step needs ~9x the bf16 "
                          "model bytes)")
-    ap.add_argument("--transports", default="tcp,object_store",
-                    help="relay transports to measure: tcp, object_store or both")
+    ap.add_argument("--transports", default="shm,tcp,object_store",
+                    help="relay settings to measure (comma-separated): shm, tcp, object_store")
     ap.add_argument("--max-chunk-bytes", default=None,
                     help="cap on the chunk size (default: the relay group's for each transport)")
     ap.add_argument("--out", default=RESULTS)
@@ -274,9 +282,9 @@ def main(argv=None) -> dict:
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     relays = sorted({int(p) for p in args.relays.split(",")})
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    bad = [t for t in transports if t not in ("tcp", "object_store")]
+    bad = [t for t in transports if t not in TRANSPORTS]
     if bad or not transports:
-        ap.error(f"--transports: expected tcp and/or object_store, got {args.transports!r}")
+        ap.error(f"--transports: expected some of {sorted(TRANSPORTS)}, got {args.transports!r}")
     step_cap = parse_size(args.measure_step_up_to)
     max_chunk = None if args.max_chunk_bytes is None else parse_size(args.max_chunk_bytes)
 

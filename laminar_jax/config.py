@@ -210,7 +210,11 @@ class RelayConfig:
     the weight store directly (the ablation without relays). transport: how chunks go from relay
     to relay, "tcp" (a direct stream per link, received into the version buffer and forwarded
     from it) or "object_store" (Ray's); stream_timeout_s bounds a connect, a chunk's send and a
-    read inside a frame, so a dead peer is an event, not a hang.
+    read inside a frame, so a dead peer is an event, not a hang. shared_memory: version buffers
+    in shared memory (Linux memfd), which rollouts map read-only instead of reading an
+    object-store copy, and which relays on one host copy chunks from instead of streaming them
+    (relays on other hosts still get bytes over the transport); false serves every version through
+    the node's object store.
     """
 
     enabled: bool = True
@@ -220,6 +224,7 @@ class RelayConfig:
     t_start_s: float = 1e-3
     transport: Literal["tcp", "object_store"] = "tcp"
     stream_timeout_s: float = 60.0
+    shared_memory: bool = True
 
     def __post_init__(self):
         _at_least(self, 0, "num_chunks")

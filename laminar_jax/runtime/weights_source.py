@@ -1,8 +1,8 @@
 """Where a rollout gets newer weights: its node's relay, or the weight store (relays off).
 
 `newer_than(version) -> (version, tensors) | None`, tensors in the engine layout (Hugging Face
-names and shapes). With relays, the flat buffer is mapped from this node's object store without a
-copy (`weights.relay`); without, the rollout restores the orbax checkpoint itself, which is the
+names and shapes). With relays, the flat buffer is mapped read-only from the relay's shared memory
+(or this node's object store) without a copy (`weights.relay.read`); without, the rollout restores the orbax checkpoint itself, which is the
 ablation of the paper's relay tier (section 4.1: storage on every rollout's critical path).
 """
 from __future__ import annotations
@@ -35,14 +35,15 @@ class RelaySource(WeightSource):
 
     def newer_than(self, version: int) -> tuple[int, dict] | None:
         from laminar_jax.weights import flat
+        from laminar_jax.weights.relay import pull
         from laminar_jax.weights.relay_group import local_relay
 
         if self._relay is None:
             self._relay = local_relay(self.prefix, self.namespace)
-        snap = ray.get(self._relay.latest.remote())
-        if snap is None or snap.version <= version:
+        got = pull(self._relay)
+        if got is None or got[0] <= version:
             return None
-        return snap.version, flat.unflatten(ray.get(snap.buffer), snap.index)
+        return got[0], flat.unflatten(got[1], got[2])
 
 
 class StoreSource(WeightSource):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -165,13 +165,15 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def params_to_flat(cfg: DecoderConfig, params: Any, *, dtype: Any = None, align: int = ALIGN,
-                   workers: int = 1) -> tuple[np.ndarray, tuple[TensorEntry, ...]]:
+                   workers: int = 1, allocate: Callable[[int], np.ndarray] | None = None
+                   ) -> tuple[np.ndarray, tuple[TensorEntry, ...]]:
     """Engine-layout flat buffer of a params tree: `flatten(hf.params_to_hf(cfg, params, dtype))`.
 
     Written in one pass per tensor (transpose and cast straight into the buffer, no intermediate
     HF dict), which matters on the master relay for GB-sized models; `workers` threads convert
     tensors in parallel (numpy copies release the GIL). `dtype=None` keeps each leaf's dtype
-    (the publisher already stored the rollout dtype).
+    (the publisher already stored the rollout dtype). `allocate(n)` gives the uint8 buffer of
+    n bytes to write into (default: a new numpy array).
     """
     tree = params.to_pure_dict() if hasattr(params, "to_pure_dict") else params
     entries = hf.name_map(cfg)
@@ -179,7 +181,10 @@ def params_to_flat(cfg: DecoderConfig, params: Any, *, dtype: Any = None, align:
     specs = [(e.hf_name, leaves[e.path].dtype if dtype is None else dtype, e.hf_shape)
              for e in entries]
     index, total = layout(specs, align=align)
-    buffer = np.empty(total, np.uint8)
+    buffer = np.empty(total, np.uint8) if allocate is None else allocate(total)
+    if buffer.dtype != np.uint8 or buffer.shape != (total,):
+        raise ValueError(f"flat.params_to_flat: allocate({total}) gave {buffer.dtype} "
+                         f"{buffer.shape}, expected uint8 ({total},)")
     _zero_padding(buffer, index)
     views = _views(buffer, index)
 

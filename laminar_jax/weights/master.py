@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -50,15 +50,17 @@ class MasterRole:
         return max(k, min(-(-model_bytes // self.max_chunk_bytes), self.max_chunks))
 
 
-def prepare(role: MasterRole, version: int, path: str
+def prepare(role: MasterRole, version: int, path: str, *,
+            allocate: Callable[[int], np.ndarray] | None = None
             ) -> tuple[flat.Manifest, np.ndarray, dict[str, float]]:
-    """(manifest, flat buffer, seconds spent reading / converting / checksumming)."""
+    """(manifest, flat buffer, seconds spent reading / converting / checksumming). `allocate(n)`
+    gives the buffer to convert into (the relay's shared buffer, which it then serves as is)."""
     from laminar_jax.weights import publish   # imports orbax and jax: only masters pay for it
 
     t0 = time.perf_counter()
     params = publish.read_path(role.store, path)
     t1 = time.perf_counter()
-    buffer, index = flat.params_to_flat(role.cfg, params, workers=role.workers)
+    buffer, index = flat.params_to_flat(role.cfg, params, workers=role.workers, allocate=allocate)
     del params
     t2 = time.perf_counter()
     manifest = flat.make_manifest(version, buffer, index, role.chunks_for(buffer.size))

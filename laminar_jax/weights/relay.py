@@ -27,10 +27,14 @@ A stream link that fails twice falls back to the object store ("stream_fallback"
 broken socket costs speed, not the version; a dead relay is cut out by the group's heartbeat.
 
 Rollouts call `latest()` (answers at once) or `wait_newer(version, timeout_s)`; both return a
-`Snapshot(version, buffer, index)` whose `buffer` is an ObjectRef to the whole flat buffer in this
-node's object store: `ray.get` on the same node maps it without copying (`pull` below). A relay
-holds the current version and at most one arriving version (plus, with tcp, the buffer of the
-last completed one, kept to receive the next version into warm pages).
+`Snapshot(version, buffer, index, handle)`. With `shared_memory` (default, Linux) version buffers
+are memfds (`weights.shared_buffer`) and `handle` names the served one: a rollout on this host maps
+it read-only, so serving a version copies nothing, and relays on this host copy chunks from each
+other's buffers instead of streaming them. Otherwise `buffer` is an ObjectRef to the flat buffer
+in this node's object store (`ray.get` on the same node maps it without copying). `read` below
+does either, and falls back to an object-store copy for a reader on another host. A relay holds
+the current version and at most one arriving version (plus the buffer prepared for the next one:
+shared buffers are never reused while rollouts may read them).
 """
 from __future__ import annotations
 
@@ -44,23 +48,25 @@ from typing import Any
 import numpy as np
 import ray
 
-from laminar_jax.weights import flat, master, stream
+from laminar_jax.weights import flat, master, shared_buffer, stream
 from laminar_jax.weights.events import record
 from laminar_jax.weights.relay_links import Downstream
-from laminar_jax.weights.relay_state import Arrival, Versions
+from laminar_jax.weights.relay_state import Arrival, Served, Versions
 
-__all__ = ["RelayWorker", "Snapshot", "pull", "TRANSPORTS"]
+__all__ = ["RelayWorker", "Snapshot", "pull", "read", "TRANSPORTS"]
 
 TRANSPORTS = ("tcp", "object_store")
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """A complete version as served: `buffer` is an ObjectRef to the uint8 flat buffer."""
+    """A complete version as served: `handle` names the relay's shared buffer, else `buffer` is an
+    ObjectRef to the uint8 flat buffer (`read` takes either)."""
 
     version: int
     buffer: Any
     index: tuple[flat.TensorEntry, ...]
+    handle: shared_buffer.BufferHandle | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +96,13 @@ class RelayWorker:
       stream_timeout_s: limit on connecting, on one chunk's send, and on a read inside a frame.
       host: address to listen on (default: the node IP Ray reports).
       stream_token: shared by the relays of one group; streams without it are dropped.
+      shared_memory: version buffers in shared memory (rollouts and same-host relays map them);
+        False, or no memfd on this system: numpy buffers, served through the object store.
     """
 
     def __init__(self, name: str, *, transport: str = "tcp", fetch_timeout_s: float = 120.0,
                  prefetch: int = 2, stream_timeout_s: float = 60.0, host: str | None = None,
-                 stream_token: str = ""):
+                 stream_token: str = "", shared_memory: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"RelayWorker: transport must be one of {TRANSPORTS}, got {transport!r}")
         self.name, self.transport = name, transport
@@ -103,10 +111,14 @@ class RelayWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._events: list[dict] = []
         self._events_lock = threading.Lock()
-        self._versions = Versions(self._log, keep_spare=transport == "tcp")
+        shared = shared_memory and shared_buffer.available()
+        self._pool = shared_buffer.BufferPool(f"laminar-relay-{name}") if shared else None
+        self._host_key = shared_buffer.host_key() if shared else None
+        self._versions = Versions(self._log, keep_spare=transport == "tcp" and not shared,
+                                  allocate=None if self._pool is None else self._pool.take)
         self._announced = -1         # master: newest version announced by the publisher
         self._down = Downstream(tcp=transport == "tcp", timeout_s=stream_timeout_s, log=self._log,
-                                token=stream_token)
+                                token=stream_token, host_key=self._host_key)
         self._role: master.MasterRole | None = None
         self._server = None
         if transport == "tcp":
@@ -126,6 +138,10 @@ class RelayWorker:
     def stream_address(self) -> tuple[str, int] | None:
         """(host, port) this relay receives streams on; None with the object-store transport."""
         return None if self._server is None else self._server.address
+
+    def host_key(self) -> str | None:
+        """`shared_buffer.host_key()` when this relay's buffers are shared, else None."""
+        return self._host_key
 
     def configure_master(self, role: master.MasterRole) -> None:
         self._role = role
@@ -154,6 +170,18 @@ class RelayWorker:
     def wait_newer(self, version: int, timeout_s: float | None = None) -> Snapshot | None:
         """The first complete version newer than `version`, or None after `timeout_s`."""
         return _snapshot(self._versions.wait_newer(version, timeout_s))
+
+    def buffer_ref(self, version: int) -> list | None:
+        """[ObjectRef] of the served buffer if it is still `version` (for a reader that cannot
+        map the shared buffer: one object-store copy, made once per version), else None."""
+        with self._versions.cond:
+            current = self._versions.current
+            if current is None or current[0].version != version:
+                return None
+            served = current[1]
+            if served.ref is None:
+                served.ref = ray.put(served.buffer)
+            return [served.ref]
 
     def chunks_held(self, version: int) -> frozenset[int] | None:
         """Chunks of `version` already accepted here, or None when this relay needs none of
@@ -198,13 +226,22 @@ class RelayWorker:
         if version < self._announced:   # a newer version is queued: relays need only the latest
             self._log("publish_skipped", version=version, newer=self._announced)
             return
-        manifest, buffer, timings = master.prepare(role, version, path)
+        shared: list[shared_buffer.SharedBuffer] = []
+
+        def allocate(nbytes: int) -> np.ndarray:   # the master converts straight into it
+            shared.append(self._pool.take(nbytes))
+            return shared[-1].array
+
+        manifest, buffer, timings = master.prepare(
+            role, version, path, allocate=None if self._pool is None else allocate)
+        source = shared[0] if shared else None
         self._log("master_restored", version=version, bytes=int(buffer.size),
                   chunks=manifest.num_chunks, **timings)
         clock = time.perf_counter()
         for i, (s, e) in enumerate(manifest.chunks):
-            self._down.forward(manifest, i, buffer[s:e])
-        self._complete(manifest, buffer, forward_s=time.perf_counter() - clock)
+            self._down.forward(manifest, i, buffer[s:e],
+                               source=None if source is None else source.handle)
+        self._complete(manifest, buffer, shared=source, forward_s=time.perf_counter() - clock)
         pruned = master.prune(role, version)
         if pruned:
             self._log("store_pruned", versions=pruned)
@@ -243,7 +280,7 @@ class RelayWorker:
         if problem is not None:
             versions.reject(manifest, i, problem)
         elif versions.accept(arrival, i, "object_store"):
-            self._complete(manifest, arrival.buffer, arrival, **timings)
+            self._complete(manifest, arrival.buffer, arrival, arrival.shared, **timings)
 
     def _on_stream_chunk(self, claim: _Claim, view: np.ndarray) -> None:
         """A chunk read from a stream (into the version buffer, or into scratch when its header
@@ -267,8 +304,9 @@ class RelayWorker:
             versions.reject(manifest, i, problem)
             return
         _tick(arrival.timings, "check_s", clock)
-        if versions.accept(arrival, i, "tcp"):
-            self._complete(manifest, arrival.buffer, arrival, **arrival.timings)
+        via = "shared_memory" if header.kind == stream.CHUNK_AT else "tcp"
+        if versions.accept(arrival, i, via):
+            self._complete(manifest, arrival.buffer, arrival, arrival.shared, **arrival.timings)
 
     def _on_relink(self) -> None:
         with self._versions.cond:
@@ -277,11 +315,11 @@ class RelayWorker:
             have = None if arrival is None else frozenset(arrival.have | arrival.landed)
         sources = []
         if current is not None:
-            sources.append((current[0], ray.get(current[1]), None, None))
+            sources.append((current[0], current[1].buffer, None, None, current[1].shared))
         if arrival is not None:
-            sources.append((arrival.manifest, arrival.buffer, have, arrival))
+            sources.append((arrival.manifest, arrival.buffer, have, arrival, arrival.shared))
         for link in self._down.links:
-            for manifest, buffer, have, owner in sources:
+            for manifest, buffer, have, owner, shared in sources:
                 try:
                     held = ray.get(link.relay.chunks_held.remote(manifest.version), timeout=30)
                 except Exception as e:  # noqa: BLE001 - the group's next heartbeat handles it
@@ -296,7 +334,8 @@ class RelayWorker:
                               transport="object_store" if link.address is None else "tcp")
                 for i in needed:
                     s, e = manifest.chunks[i]
-                    self._down.send(link, manifest, i, buffer[s:e], owner)
+                    self._down.send(link, manifest, i, buffer[s:e], owner,
+                                    None if shared is None else shared.handle)
 
     # ------------------------------------------------------------------ stream sink
     def _stream_claim(self, manifest: flat.Manifest, header: stream.Header
@@ -320,7 +359,9 @@ class RelayWorker:
             with self._versions.cond:
                 claim.arrival.landed.add(claim.chunk)
             clock = time.perf_counter()
-            self._down.forward(claim.arrival.manifest, claim.chunk, view, owner=claim.arrival)
+            shared = claim.arrival.shared
+            self._down.forward(claim.arrival.manifest, claim.chunk, view, owner=claim.arrival,
+                               source=None if shared is None else shared.handle)
             _tick(claim.arrival.timings, "forward_s", clock)
         self._inbox.put(("stream_chunk", (claim, view)))
 
@@ -331,14 +372,20 @@ class RelayWorker:
 
     # ------------------------------------------------------------------ helpers
     def _complete(self, manifest: flat.Manifest, buffer: np.ndarray,
-                  arrival: Arrival | None = None, **timings: float) -> None:
+                  arrival: Arrival | None = None,
+                  shared: shared_buffer.SharedBuffer | None = None, **timings: float) -> None:
         clock = time.perf_counter()
-        ref = ray.put(buffer)   # this node's object store: rollouts here read it without copying
+        # Rollouts map a shared buffer as it is; a numpy one goes to this node's object store,
+        # where rollouts here read it without copying.
+        served = Served(buffer, shared, None if shared is not None else ray.put(buffer))
         timings["serve_s"] = time.perf_counter() - clock
-        self._versions.serve(manifest, ref, arrival)
         via = {} if arrival is None else {f"via_{k}": n for k, n in arrival.via.items()}
+        # logged before serving: whoever sees the version served finds its record too
         self._log("relay_received", version=manifest.version, bytes=manifest.total_bytes,
                   **via, **timings)
+        self._versions.serve(manifest, served, arrival)
+        if self._pool is not None:
+            self._pool.prepare(manifest.total_bytes)   # the next version's buffer, ahead of it
 
     def _log(self, kind: str, **fields: Any) -> None:
         rec = record(kind, relay=self.name, **fields)
@@ -346,8 +393,12 @@ class RelayWorker:
             self._events.append(rec)
 
 
-def _snapshot(current: tuple[flat.Manifest, Any] | None) -> Snapshot | None:
-    return None if current is None else Snapshot(current[0].version, current[1], current[0].index)
+def _snapshot(current: tuple[flat.Manifest, Served] | None) -> Snapshot | None:
+    if current is None:
+        return None
+    manifest, served = current
+    return Snapshot(manifest.version, served.ref, manifest.index,
+                    None if served.shared is None else served.shared.handle)
 
 
 def _tick(timings: dict, key: str, since: float) -> float:
@@ -356,17 +407,37 @@ def _tick(timings: dict, key: str, since: float) -> float:
     return now
 
 
+def read(relay: Any, snap: Snapshot) -> np.ndarray:
+    """The flat buffer of `snap`, read-only: the relay's shared buffer mapped (same host), else
+    the object-store copy (zero-copy on the relay's node). Raises `shared_buffer.BufferGone`
+    when the relay has served a newer version since `snap`: ask for the latest again."""
+    if snap.handle is not None:
+        try:
+            return shared_buffer.open_handle(snap.handle)
+        except shared_buffer.NotLocal:
+            pass
+    refs = [snap.buffer] if snap.buffer is not None else ray.get(
+        relay.buffer_ref.remote(snap.version))
+    if refs is None:
+        raise shared_buffer.BufferGone(f"version {snap.version} is no longer served")
+    return ray.get(refs[0])
+
+
 def pull(relay: Any, *, newer_than: int | None = None, timeout_s: float | None = None
          ) -> tuple[int, np.ndarray, tuple[flat.TensorEntry, ...]] | None:
     """(version, buffer, index) from a relay: the latest, or the first newer than `newer_than`.
 
-    On the relay's node the buffer is a read-only view of the object store (no copy).
+    On the relay's host the buffer is a read-only view of the relay's memory (no copy).
     Returns None when the relay has nothing (yet), or nothing newer within `timeout_s`.
     """
-    if newer_than is None:
-        snap = ray.get(relay.latest.remote())
-    else:
-        snap = ray.get(relay.wait_newer.remote(newer_than, timeout_s))
-    if snap is None:
-        return None
-    return snap.version, ray.get(snap.buffer), snap.index
+    while True:
+        if newer_than is None:
+            snap = ray.get(relay.latest.remote())
+        else:
+            snap = ray.get(relay.wait_newer.remote(newer_than, timeout_s))
+        if snap is None:
+            return None
+        try:
+            return snap.version, read(relay, snap), snap.index
+        except shared_buffer.BufferGone:
+            continue   # superseded between the answer and the read: a newer one is served

@@ -4,7 +4,9 @@ Each downstream relay gets a `stream.StreamLink` when both ends use the tcp tran
 `StoreLink` (the chunk is `ray.put` here and `offer`ed: the next hop pulls it from this node's
 object store; one object serves every object-store link of a fan-out). A stream that cannot be
 opened falls back to the object store ("stream_fallback"), and so does one that fails while
-sending (`stream.StreamLink`).
+sending (`stream.StreamLink`). A stream to a relay on this host (equal `shared_buffer.host_key`,
+both ends with shared buffers) sends chunk-at frames: the bytes are copied from this relay's
+shared version buffer, not sent over the socket.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 import ray
 
 from laminar_jax.weights import flat, stream
+from laminar_jax.weights.shared_buffer import BufferHandle
 from laminar_jax.weights.relay_state import Arrival
 
 __all__ = ["Downstream", "StoreLink"]
@@ -32,10 +35,13 @@ class StoreLink:
 
 class Downstream:
     """Links of one relay. `tcp`: open streams to relays that listen; `timeout_s`: stream
-    connect/send limit and the wait for a relay's address; `token`: the group's stream token."""
+    connect/send limit and the wait for a relay's address; `token`: the group's stream token;
+    `host_key`: this relay's `shared_buffer.host_key()` when its version buffers are shared."""
 
-    def __init__(self, *, tcp: bool, timeout_s: float, log: Callable[..., None], token: str = ""):
+    def __init__(self, *, tcp: bool, timeout_s: float, log: Callable[..., None], token: str = "",
+                 host_key: str | None = None):
         self._tcp, self._timeout_s, self._log, self._token = tcp, timeout_s, log, token
+        self._host_key = host_key
         self.links: tuple = ()
         self._pending: list = []     # results of offers sent downstream, reaped as they finish
         self._lock = threading.Lock()
@@ -60,6 +66,7 @@ class Downstream:
             return StoreLink(relay)
         try:
             address = ray.get(relay.stream_address.remote(), timeout=self._timeout_s)
+            peer_key = ray.get(relay.host_key.remote(), timeout=self._timeout_s)
         except Exception as e:  # noqa: BLE001 - a dead relay: the heartbeat cuts it out
             self._log("relay_error", message="relink", error=repr(e))
             return StoreLink(relay)
@@ -71,7 +78,8 @@ class Downstream:
         try:
             return stream.StreamLink(
                 relay, address, timeout_s=self._timeout_s, log=self._log, token=self._token,
-                fallback=lambda m, i, view: self.offer(relay, m, i, ray.put(view)))
+                fallback=lambda m, i, view: self.offer(relay, m, i, ray.put(view)),
+                same_host=self._host_key is not None and peer_key == self._host_key)
         except OSError as e:
             where = f"{address[0]}:{address[1]}"
             self._log("stream_error", to=where, where="connect", error=repr(e))
@@ -79,9 +87,10 @@ class Downstream:
             return StoreLink(relay)
 
     def forward(self, manifest: flat.Manifest, i: int, data: np.ndarray,
-                owner: Arrival | None = None) -> None:
+                owner: Arrival | None = None, source: BufferHandle | None = None) -> None:
         """Chunk `i` to every link. `owner`: the arrival whose buffer `data` views (counted
-        until the streams have sent it, so the buffer is not reused meanwhile)."""
+        until the streams have sent it, so the buffer is not reused meanwhile); `source`: the
+        shared buffer `data` lies in (same-host streams send a chunk-at frame instead)."""
         if self._hold_after is not None and self._forwarded >= self._hold_after:
             self._released.wait()
         self._forwarded += 1
@@ -91,10 +100,10 @@ class Downstream:
                 ref = ray.put(data) if ref is None else ref
                 self.offer(link.relay, manifest, i, ref)
             else:
-                self.send(link, manifest, i, data, owner)
+                self.send(link, manifest, i, data, owner, source)
 
     def send(self, link: Any, manifest: flat.Manifest, i: int, data: np.ndarray,
-             owner: Arrival | None = None) -> None:
+             owner: Arrival | None = None, source: BufferHandle | None = None) -> None:
         """Chunk `i` to one link."""
         if link.address is None:
             self.offer(link.relay, manifest, i, ray.put(data))
@@ -107,7 +116,7 @@ class Downstream:
             def done() -> None:
                 with self._lock:
                     owner.sending -= 1
-        link.send(manifest, i, data, done)
+        link.send(manifest, i, data, done, source)
 
     def offer(self, relay: Any, manifest: flat.Manifest, i: int, ref: Any) -> None:
         with self._lock:

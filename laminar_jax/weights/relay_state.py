@@ -14,8 +14,12 @@ threads), so every transition happens here, under one condition variable:
     reject(...)          a bad chunk: the arriving version is dropped, the served one stays, and
                          later chunks of that version are ignored.
 
-With streams the buffer of the last completed arrival is kept (`keep_spare`) and the next version
-is received into it: its pages are already mapped, so receiving does not fault them in again.
+Version buffers come from `allocate` (a `shared_buffer.BufferPool`: memfd buffers that rollouts
+and same-host relays map read-only) or are numpy arrays. A shared buffer is never reused, since a
+rollout may still read it: serving a version releases the previous one's (no new mappings; the
+memory goes with the last one), and the pool prepares the next buffer ahead. Numpy buffers are
+copied into the object store to be served, so with streams the last completed arrival's buffer is
+kept (`keep_spare`) and the next version is received into its already-mapped pages.
 """
 from __future__ import annotations
 
@@ -26,30 +30,46 @@ from typing import Any, Callable
 import numpy as np
 
 from laminar_jax.weights import flat
+from laminar_jax.weights.shared_buffer import SharedBuffer
 
-__all__ = ["Arrival", "Versions"]
+__all__ = ["Arrival", "Served", "Versions"]
 
 
 @dataclasses.dataclass(eq=False)
 class Arrival:
     manifest: flat.Manifest
     buffer: np.ndarray
+    shared: SharedBuffer | None = None     # the buffer's memfd, when `buffer` is shared
     have: set[int] = dataclasses.field(default_factory=set)
     receiving: set[int] = dataclasses.field(default_factory=set)   # being read from a stream
     landed: set[int] = dataclasses.field(default_factory=set)      # read in full, maybe unchecked
     sending: int = 0            # forwards still queued on stream links (they read `buffer`)
-    via: dict = dataclasses.field(default_factory=lambda: {"tcp": 0, "object_store": 0})
+    via: dict = dataclasses.field(default_factory=lambda: {"tcp": 0, "shared_memory": 0,
+                                                                 "object_store": 0})
     # seconds this relay spent per step, reported with relay_received (where the time goes)
     timings: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(
         ("wait_s", "check_s", "copy_s", "forward_s"), 0.0))
 
 
-class Versions:
-    """The served version (manifest, ObjectRef) and the arriving one of one relay."""
+@dataclasses.dataclass(eq=False)
+class Served:
+    """A complete version as this relay serves it: its buffer, and how rollouts read it (a
+    shared buffer's handle, or an ObjectRef in this node's object store, made on demand for
+    shared buffers)."""
 
-    def __init__(self, log: Callable[..., None], *, keep_spare: bool):
+    buffer: np.ndarray
+    shared: SharedBuffer | None = None
+    ref: Any = None
+
+
+class Versions:
+    """The served version (manifest, Served) and the arriving one of one relay."""
+
+    def __init__(self, log: Callable[..., None], *, keep_spare: bool,
+                 allocate: Callable[[int], SharedBuffer] | None = None):
         self.cond = threading.Condition()
-        self.current: tuple[flat.Manifest, Any] | None = None
+        self.current: tuple[flat.Manifest, Served] | None = None
+        self._allocate = allocate
         self.arriving: Arrival | None = None
         self._spare: Arrival | None = None
         self._keep_spare = keep_spare
@@ -93,6 +113,9 @@ class Versions:
             return arrival, "direct"
 
     def _new_arrival(self, manifest: flat.Manifest) -> Arrival:
+        if self._allocate is not None:
+            shared = self._allocate(manifest.total_bytes)
+            return Arrival(manifest, shared.array, shared)
         spare, self._spare = self._spare, None
         if (spare is not None and spare.buffer.size == manifest.total_bytes and spare.sending == 0
                 and not spare.receiving):
@@ -114,9 +137,11 @@ class Versions:
             arrival.via[via] += 1
             return len(arrival.have) == arrival.manifest.num_chunks
 
-    def serve(self, manifest: flat.Manifest, ref: Any, arrival: Arrival | None) -> None:
+    def serve(self, manifest: flat.Manifest, served: Served, arrival: Arrival | None) -> None:
         with self.cond:
-            self.current = (manifest, ref)
+            previous, self.current = self.current, (manifest, served)
+            if previous is not None and previous[1].shared is not None:
+                previous[1].shared.release()
             if self.arriving is not None and self.arriving.manifest.version <= manifest.version:
                 self.arriving = None
             if arrival is not None and self._keep_spare:
@@ -140,7 +165,8 @@ class Versions:
                 return frozenset()
             return frozenset(arrival.have)
 
-    def wait_newer(self, version: int, timeout_s: float | None) -> tuple[flat.Manifest, Any] | None:
+    def wait_newer(self, version: int, timeout_s: float | None
+                   ) -> tuple[flat.Manifest, Served] | None:
         with self.cond:
             self.cond.wait_for(lambda: self.current is not None
                                and self.current[0].version > version, timeout=timeout_s)

@@ -8,11 +8,17 @@ messages (who is downstream, which chunks a relay lacks) and is the fallback whe
 
 Wire format, little-endian, one frame after another on a connection:
 
-    header   magic b"LJW1", kind (1 manifest, 2 chunk, 3 hello), version, chunk, offset, length,
-             crc32
+    header   magic b"LJW1", kind (1 manifest, 2 chunk, 3 hello, 4 source, 5 chunk-at), version,
+             chunk, offset, length, crc32
     payload  `length` bytes: the manifest as JSON (kind 1, before the first chunk of a version on
-             this connection), the chunk's bytes (kind 2), or the relay group's token (kind 3,
-             the first frame of every connection)
+             this connection), the chunk's bytes (kind 2), the relay group's token (kind 3, the
+             first frame of every connection), or the handle of the sender's version buffer as
+             JSON (kind 4); kind 5 has no payload
+
+Between relays on one host (`same_host` links) the bytes do not cross the socket: the sender
+names its version buffer once per version (kind 4, a `shared_buffer.BufferHandle`), the receiver
+maps it read-only, and each chunk-at frame (kind 5) tells it to copy [offset, offset + length)
+from that mapping into its own buffer: one memcpy per hop instead of two kernel copies.
 
 A relay drops a connection whose first frame is not the hello with its group's token, so bytes
 from anyone else (a relay of another run that now owns a dead relay's port, a stray client) never
@@ -40,16 +46,19 @@ import struct
 import threading
 from typing import Any, Callable
 
-from laminar_jax.weights import flat
+import numpy as np
+
+from laminar_jax.weights import flat, shared_buffer
 
 __all__ = ["Header", "StreamServer", "StreamLink", "connect", "write_manifest", "write_chunk",
-           "manifest_to_json", "manifest_from_json"]
+           "write_source", "write_chunk_at", "manifest_to_json", "manifest_from_json"]
 
 MAGIC = b"LJW1"
 _HEADER = struct.Struct("<4sB3xqqqqI")
-MANIFEST, CHUNK, HELLO = 1, 2, 3
+MANIFEST, CHUNK, HELLO, SOURCE, CHUNK_AT = 1, 2, 3, 4, 5
 MAX_MANIFEST_BYTES = 64 * 2**20
 MAX_TOKEN_BYTES = 256
+MAX_SOURCE_BYTES = 4096
 _DISCARD = 4 * 2**20
 
 
@@ -106,6 +115,18 @@ def write_chunk(sock: socket.socket, manifest: flat.Manifest, chunk: int, data: 
     sock.sendall(view)
 
 
+def write_source(sock: socket.socket, version: int, handle: shared_buffer.BufferHandle) -> None:
+    payload = json.dumps(handle.to_json()).encode()
+    sock.sendall(_HEADER.pack(MAGIC, SOURCE, version, -1, 0, len(payload), 0) + payload)
+
+
+def write_chunk_at(sock: socket.socket, manifest: flat.Manifest, chunk: int) -> None:
+    """Chunk `chunk` is in the buffer of the last source frame of its version: copy it from there."""
+    start, end = manifest.chunks[chunk]
+    sock.sendall(_HEADER.pack(MAGIC, CHUNK_AT, manifest.version, chunk, start, end - start,
+                              manifest.checksums[chunk]))
+
+
 def _read_into(sock: socket.socket, view: memoryview) -> int:
     got = 0
     while got < len(view):
@@ -114,6 +135,14 @@ def _read_into(sock: socket.socket, view: memoryview) -> int:
             break
         got += n
     return got
+
+
+def _map_source(payload: bytes) -> np.ndarray | str:
+    """The sender's version buffer mapped read-only, or why it cannot be (it was released)."""
+    try:
+        return shared_buffer.open_handle(shared_buffer.BufferHandle.from_json(json.loads(payload)))
+    except (LookupError, ValueError, TypeError, OSError) as e:
+        return f"source buffer not mapped: {e!r}"
 
 
 class StreamServer:
@@ -165,6 +194,7 @@ class StreamServer:
 
     def _frames(self, conn: socket.socket, peer: str) -> None:
         manifests: dict[int, flat.Manifest] = {}
+        source: tuple[int, np.ndarray | str] | None = None   # (version, mapping or why not)
         raw = bytearray(_HEADER.size)
         greeted = False
         while True:
@@ -176,7 +206,7 @@ class StreamServer:
             if _read_into(conn, memoryview(raw)[1:]) != _HEADER.size - 1:
                 raise ValueError("connection closed inside a frame header")
             magic, kind, version, chunk, offset, length, crc = _HEADER.unpack(raw)
-            if magic != MAGIC or kind not in (MANIFEST, CHUNK, HELLO) or length < 0:
+            if magic != MAGIC or not MANIFEST <= kind <= CHUNK_AT or length < 0:
                 raise ValueError(f"bad frame header {bytes(raw)!r}")
             if (kind == HELLO) == greeted:
                 raise ValueError("a connection must open with one hello frame")
@@ -187,30 +217,50 @@ class StreamServer:
                     raise ValueError("stream token does not match this relay group's")
                 greeted = True
                 continue
-            if kind == MANIFEST:
-                if length > MAX_MANIFEST_BYTES:
-                    raise ValueError(f"manifest of {length} bytes exceeds {MAX_MANIFEST_BYTES}")
+            if kind in (MANIFEST, SOURCE):
+                limit = MAX_MANIFEST_BYTES if kind == MANIFEST else MAX_SOURCE_BYTES
+                if length > limit:
+                    raise ValueError(f"frame kind {kind} of {length} bytes exceeds {limit}")
                 payload = bytearray(length)
                 if _read_into(conn, memoryview(payload)) != length:
-                    raise ValueError(f"connection closed inside the manifest of version {version}")
-                manifests = {v: m for v, m in manifests.items() if v > version - 2}
-                manifests[version] = manifest_from_json(bytes(payload))
+                    raise ValueError(f"connection closed inside frame kind {kind} of version "
+                                     f"{version}")
+                if kind == MANIFEST:
+                    manifests = {v: m for v, m in manifests.items() if v > version - 2}
+                    manifests[version] = manifest_from_json(bytes(payload))
+                else:
+                    source = None      # drop the old mapping first: it may hold a whole version
+                    source = (version, _map_source(bytes(payload)))
                 continue
             header = Header(kind, version, chunk, offset, length, crc)
             manifest = manifests.get(version)
-            claimed = None
+            claimed = problem = None
             if manifest is None:
-                self._sink.log("stream_error", peer=peer, where="receive", version=version,
-                               chunk=chunk, error="chunk before its version's manifest")
+                problem = "chunk before its version's manifest"
             elif length > manifest.total_bytes:
                 raise ValueError(f"chunk {chunk} of {length} bytes exceeds version {version}'s "
                                  f"{manifest.total_bytes}")
+            elif kind == CHUNK_AT and (source is None or source[0] != version
+                                       or isinstance(source[1], str)):
+                problem = ("no mapped source buffer for this version" if source is None
+                           or source[0] != version else source[1])
+            elif kind == CHUNK_AT and offset + length > source[1].size:
+                raise ValueError(f"chunk {chunk} [{offset}, {offset + length}) lies outside the "
+                                 f"source buffer of {source[1].size} bytes")
             else:
                 claimed = self._sink.claim(manifest, header)
+            if problem is not None:
+                self._sink.log("stream_error", peer=peer, where="receive", version=version,
+                               chunk=chunk, error=problem)
             if claimed is None:
-                self._discard(conn, length)
+                if kind == CHUNK:
+                    self._discard(conn, length)
                 continue
             view, ticket = claimed
+            if kind == CHUNK_AT:
+                np.copyto(view, source[1][offset:offset + length])
+                self._sink.received(ticket, view)
+                continue
             try:
                 got = _read_into(conn, memoryview(view).cast("B"))
             except OSError as e:
@@ -236,30 +286,35 @@ class StreamLink:
 
     `send` queues (manifest, chunk, view) and returns at once; `done()` (if given) runs once the
     bytes left or the item was dropped, so the caller knows when `view` is no longer read. The
-    version's manifest precedes its first chunk. A failed send is retried once on a new
+    version's manifest precedes its first chunk. With `same_host` and a `source` (the handle of
+    the shared buffer `view` lies in), only a chunk-at frame goes: the receiver copies the bytes
+    from its mapping of that buffer. A failed send is retried once on a new
     connection; after that the link logs "stream_error" and hands this and every later item to
     `fallback(manifest, chunk, view)` (the object store).
     """
 
     def __init__(self, relay: Any, address: tuple[str, int], *, timeout_s: float,
-                 log: Callable[..., None], fallback: Callable[..., None], token: str = ""):
-        self.relay, self.address = relay, tuple(address)
+                 log: Callable[..., None], fallback: Callable[..., None], token: str = "",
+                 same_host: bool = False):
+        self.relay, self.address, self.same_host = relay, tuple(address), same_host
         self._timeout_s, self._log, self._fallback = timeout_s, log, fallback
         self._token = token
         self._sock: socket.socket | None = connect(self.address, timeout_s, token)
         self._manifest_sent: int | None = None
+        self._source_sent: tuple[int, int] | None = None    # (version, inode)
         self._queue: queue.Queue = queue.Queue()
         self._broken = self._closed = False
         self._thread = threading.Thread(target=self._run, name="stream-send", daemon=True)
         self._thread.start()
 
     def send(self, manifest: flat.Manifest, chunk: int, view: Any,
-             done: Callable[[], None] | None = None) -> None:
+             done: Callable[[], None] | None = None,
+             source: shared_buffer.BufferHandle | None = None) -> None:
         if self._closed:
             if done is not None:
                 done()
             return
-        self._queue.put((manifest, chunk, view, done))
+        self._queue.put((manifest, chunk, view, done, source if self.same_host else None))
 
     def close(self) -> None:
         """Stops sending; queued items are dropped (their `done` still runs)."""
@@ -274,10 +329,10 @@ class StreamLink:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            manifest, chunk, view, done = item
+            manifest, chunk, view, done, source = item
             try:
                 if not self._closed:
-                    self._deliver(manifest, chunk, view)
+                    self._deliver(manifest, chunk, view, source)
             except Exception as e:  # noqa: BLE001 - the sender thread must keep draining
                 self._log("stream_error", to=f"{self.address[0]}:{self.address[1]}",
                           where="send", version=manifest.version, chunk=chunk, error=repr(e))
@@ -295,7 +350,8 @@ class StreamLink:
         if self._sock is not None:
             self._sock.close()
 
-    def _deliver(self, manifest: flat.Manifest, chunk: int, view: Any) -> None:
+    def _deliver(self, manifest: flat.Manifest, chunk: int, view: Any,
+                 source: shared_buffer.BufferHandle | None) -> None:
         if self._broken:
             self._fallback(manifest, chunk, view)
             return
@@ -303,11 +359,17 @@ class StreamLink:
             try:
                 if self._sock is None:
                     self._sock = connect(self.address, self._timeout_s, self._token)
-                    self._manifest_sent = None
+                    self._manifest_sent = self._source_sent = None
                 if self._manifest_sent != manifest.version:
                     write_manifest(self._sock, manifest)
                     self._manifest_sent = manifest.version
-                write_chunk(self._sock, manifest, chunk, view)
+                if source is None:
+                    write_chunk(self._sock, manifest, chunk, view)
+                    return
+                if self._source_sent != (manifest.version, source.inode):
+                    write_source(self._sock, manifest.version, source)
+                    self._source_sent = (manifest.version, source.inode)
+                write_chunk_at(self._sock, manifest, chunk)
                 return
             except OSError as e:
                 if self._closed:

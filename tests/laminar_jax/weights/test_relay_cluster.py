@@ -1,14 +1,18 @@
 """Relays on an emulated 4-node Ray cluster: publish, chain broadcast, pull, faults.
 
-Chunks move between relays over their TCP streams (transport "tcp"; test_relay_transports.py
-compares it with the object-store transport). Real Ray (each node its own raylet and object store, so chunks really move between stores), real
-orbax. The learner is this test process (8 fake CPU devices from conftest); relay processes get 1
+Relays use the defaults: TCP streams between relays, version buffers in shared memory. The nodes
+share this one host, so every link is a same-host one: chunks are copied from the upstream relay's
+shared buffer, and rollouts map their relay's buffer (test_relay_transports.py covers bytes on the
+sockets, the object-store transport and serving through the object store). Real Ray (each node its
+own raylet and object store), real orbax. The learner is this test process (8 fake CPU devices from conftest); relay processes get 1
 device, so every restore crosses topologies. One cluster and one relay group serve the whole
 module (start-up dominates CI time); the tests run in file order and the last two are the
 destructive ones (a relay, then the master, is killed). The weight store sits on the head node's
 tmpfs, not shared: after the master failover the new master reads it through a pinned task.
 """
 import itertools
+import mmap
+import os
 import time
 
 import jax
@@ -24,7 +28,7 @@ from laminar_jax.learner import train_state as ts
 from laminar_jax.models import hf
 from laminar_jax.models.config import DecoderConfig
 from laminar_jax.models.decoder import Decoder
-from laminar_jax.weights import flat, publish
+from laminar_jax.weights import flat, publish, shared_buffer
 from laminar_jax.weights.events import EventLog
 from laminar_jax.weights.relay import pull
 from laminar_jax.weights.relay_group import RelayGroup, local_relay
@@ -121,10 +125,10 @@ def test_publish_then_pull_every_relay_sharded_and_unsharded(stack):
             got_version, buffer, index = pull(group.relay_for(node))
             assert got_version == version and index == want_index
             assert np.array_equal(buffer, want), f"relay {node} holds different bytes"
-    # the served buffer lives in each relay's own object store (real transfers between nodes)
-    for node in group.order:
-        snap = ray.get(group.relay_for(node).latest.remote())
-        assert node in ray.experimental.get_object_locations([snap.buffer])[snap.buffer]["node_ids"]
+    # each relay serves its own copy, in its own process's shared memory, on this host
+    handles = [ray.get(group.relay_for(node).latest.remote()).handle for node in group.order]
+    assert len({h.pid for h in handles}) == NUM_NODES and os.getpid() not in {h.pid for h in handles}
+    assert {h.host for h in handles} == {shared_buffer.host_key()}
     # each relay holds one complete version and nothing arriving; the store keeps the newest
     assert all(s["version"] == versions[1] and s["arriving"] is None for s in group.status().values())
     wait_for(lambda: stack.store.versions() == [versions[1]], what="store pruning")
@@ -132,9 +136,9 @@ def test_publish_then_pull_every_relay_sharded_and_unsharded(stack):
     assert versions[0] in log.records("store_pruned")[-1]["versions"]
     received = {r["relay"]: r for r in log.records("relay_received", version=versions[1])}
     assert set(received) == set(group.order)
-    # every chunk reached every relay over the relays' TCP streams
-    assert all((received[n]["via_tcp"], received[n]["via_object_store"]) == (CHUNKS, 0)
-               for n in group.order[1:])
+    # every chunk reached every relay over its stream, copied from the upstream's shared buffer
+    assert all((received[n]["via_shared_memory"], received[n]["via_tcp"],
+                received[n]["via_object_store"]) == (CHUNKS, 0, 0) for n in group.order[1:])
 
 
 def test_rollout_on_a_relay_node_reads_without_copy_and_gets_learner_logits(stack):
@@ -146,15 +150,17 @@ def test_rollout_on_a_relay_node_reads_without_copy_and_gets_learner_logits(stac
     def rollout_pull(prefix):
         relay = local_relay(prefix)
         got_version, buffer, index = pull(relay)
-        again = ray.get(ray.get(relay.latest.remote()).buffer)
-        return (got_version, bool(buffer.flags.writeable), buffer.ctypes.data == again.ctypes.data,
+        handle = ray.get(relay.latest.remote()).handle
+        mapped = (isinstance(getattr(buffer.base, "obj", None), mmap.mmap)
+                  and handle.pid != os.getpid())
+        return (got_version, bool(buffer.flags.writeable), mapped,
                 ray.get_runtime_context().get_node_id(), np.asarray(buffer).copy(), index)
 
     strategy = NodeAffinitySchedulingStrategy(tail, soft=False)
     got_version, writeable, same_memory, node, buffer, index = ray.get(
         rollout_pull.options(scheduling_strategy=strategy).remote(group.prefix))
     assert (got_version, node) == (version, tail)
-    # a read-only view of the node's object store: two reads map the same memory
+    # a read-only mapping of the relay process's buffer, not a copy
     assert not writeable and same_memory
     # A Decoder loaded from the pulled buffer gives the logits of the learner's params cast to
     # bfloat16 (the next test does the same through the rollout engine's generations).
@@ -317,7 +323,7 @@ def test_chain_of_four_survives_killing_the_second_relay_mid_broadcast(stack):
     resend = log.records("relay_resend", version=version)
     assert [(r["relay"], r["chunks"], r["transport"]) for r in resend] == [(first, CHUNKS - 3, "tcp")]
     tails = {r["relay"]: r for r in log.records("relay_received", version=version)}
-    assert all(tails[n]["via_tcp"] == CHUNKS for n in (third, fourth))
+    assert all(tails[n]["via_shared_memory"] == CHUNKS for n in (third, fourth))
     # a replacement relay on that node joins at the tail and gets the current version from it
     group.add(second)
     assert group.order == (first, third, fourth, second)

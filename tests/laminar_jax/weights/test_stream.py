@@ -4,8 +4,9 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
-from laminar_jax.weights import flat, stream
+from laminar_jax.weights import flat, shared_buffer, stream
 
 HOST = "127.0.0.1"
 TOKEN = "group-token"
@@ -158,3 +159,67 @@ def test_bad_frames_are_logged_and_the_server_keeps_serving():
     assert any("token does not match" in x for x in errors)
     assert "chunk before its version's manifest" in errors
     assert np.array_equal(sink.buffer[s:e], buffer[s:e])
+
+
+def _shared_copy(buffer):
+    shared = shared_buffer.SharedBuffer(buffer.size)
+    shared.array[:] = buffer
+    return shared
+
+
+@pytest.mark.skipif(not shared_buffer.available(), reason="needs memfd_create and /proc")
+def test_same_host_link_sends_chunk_at_frames_and_the_receiver_copies_from_the_source():
+    manifest, buffer = _manifest()
+    shared = _shared_copy(buffer)
+    sink = Sink(buffer.size)
+    server = stream.StreamServer(sink, HOST, timeout_s=5.0, token=TOKEN)
+    events = []
+    link = stream.StreamLink("relay", server.address, timeout_s=5.0, token=TOKEN,
+                             log=lambda kind, **f: events.append(kind),
+                             fallback=lambda *a: events.append("fallback"), same_host=True)
+    try:
+        for i in (1, 0, 4, 2, 3):
+            s, e = manifest.chunks[i]
+            link.send(manifest, i, shared.array[s:e], source=shared.handle)
+        sink.wait(lambda: len(sink.got) == manifest.num_chunks)
+    finally:
+        link.close()
+        server.close()
+    assert np.array_equal(sink.buffer, buffer) and events == []
+    assert {h.kind for _, h in sink.got} == {stream.CHUNK_AT}
+    assert [(h.chunk, h.offset, h.crc32) for _, h in sink.got] == [
+        (i, manifest.chunks[i][0], manifest.checksums[i]) for i in (1, 0, 4, 2, 3)]
+
+
+@pytest.mark.skipif(not shared_buffer.available(), reason="needs memfd_create and /proc")
+def test_chunk_at_without_a_mappable_source_is_logged_and_the_connection_goes_on():
+    manifest, buffer = _manifest()
+    released = _shared_copy(buffer)
+    handle = released.handle
+    released.release()                # superseded before the receiver mapped it
+    live = _shared_copy(buffer)
+    sink = Sink(buffer.size)
+    server = stream.StreamServer(sink, HOST, timeout_s=5.0, token=TOKEN)
+    try:
+        sock = stream.connect(server.address, 5.0, TOKEN)
+        stream.write_manifest(sock, manifest)
+        stream.write_chunk_at(sock, manifest, 0)              # no source named yet
+        stream.write_source(sock, manifest.version, handle)
+        stream.write_chunk_at(sock, manifest, 1)              # source released
+        stream.write_source(sock, manifest.version, live.handle)
+        stream.write_chunk_at(sock, manifest, 2)              # this one lands
+        sink.wait(lambda: len(sink.got) == 1)
+        # a chunk-at frame pointing outside the source buffer drops the connection
+        small = shared_buffer.SharedBuffer(1024)
+        stream.write_source(sock, manifest.version, small.handle)
+        stream.write_chunk_at(sock, manifest, 3)
+        sink.wait(lambda: any("outside the source" in f.get("error", "") for _, f in sink.events))
+        sock.close()
+    finally:
+        server.close()
+    assert [h.chunk for _, h in sink.got] == [2]
+    s, e = manifest.chunks[2]
+    assert np.array_equal(sink.buffer[s:e], buffer[s:e])
+    errors = [f.get("error", "") for k, f in sink.events if k == "stream_error"]
+    assert errors[0] == "no mapped source buffer for this version"
+    assert "source buffer not mapped: BufferGone" in errors[1]

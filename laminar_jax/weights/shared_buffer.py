@@ -1,0 +1,166 @@
+"""Version buffers in anonymous shared memory, mapped read-only by rollouts and same-host relays.
+
+A relay's version buffer is a memfd (Linux `memfd_create`): anonymous memory that belongs to
+the relay process and has no name in any file system, so a relay that dies leaves nothing behind
+and no /dev/shm size limit applies. Another process on the same host maps it through
+`/proc/<pid>/fd/<fd>`:
+
+    rollouts          map the served version read-only instead of reading a copy in the object
+                      store: serving a version costs no copy at all (Laminar §4.2: rollouts pull
+                      from their node's relay through shared memory);
+    same-host relays  copy a chunk straight from the upstream relay's buffer, one memcpy instead
+                      of a socket's two kernel copies (what NCCL's SHM transport does for peers
+                      on one node; relays on other hosts get the bytes over TCP).
+
+A `BufferHandle` (pid, fd, inode, size, host key) names a buffer. Once the relay supersedes a
+version it closes that fd: mappings made before stay valid (the kernel frees the memory with the
+last mapping), later opens fail with `BufferGone`. fds are reused by the kernel, so the inode is
+checked after opening: a handle never maps another version's bytes. `host_key` (boot id and pid
+namespace) tells whether /proc/<pid> names the same process for a peer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import threading
+
+import numpy as np
+
+__all__ = ["BufferHandle", "BufferGone", "NotLocal", "SharedBuffer", "BufferPool", "available",
+           "host_key", "open_handle"]
+
+
+class BufferGone(LookupError):
+    """The buffer was released (a newer version replaced it): ask for the latest again."""
+
+
+class NotLocal(LookupError):
+    """The buffer lives on another host or pid namespace: it cannot be mapped from here."""
+
+
+def available() -> bool:
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def host_key() -> str:
+    """Equal for two processes exactly when /proc/<pid> names the same process for both."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"no-proc:{os.getpid()}"   # unique: never matches another process
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferHandle:
+    pid: int
+    fd: int
+    inode: int
+    nbytes: int
+    host: str
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "BufferHandle":
+        return cls(int(d["pid"]), int(d["fd"]), int(d["inode"]), int(d["nbytes"]), str(d["host"]))
+
+
+class SharedBuffer:
+    """A writable uint8 buffer of `nbytes` in a memfd owned by this process."""
+
+    def __init__(self, nbytes: int, *, name: str = "laminar-weights", populate: bool = True):
+        self._fd: int | None = None
+        if nbytes <= 0:
+            raise ValueError(f"SharedBuffer: nbytes must be positive, got {nbytes}")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            if populate:
+                os.posix_fallocate(fd, 0, nbytes)   # ENOSPC/ENOMEM here, not as a SIGBUS later
+            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.array = np.frombuffer(self._map, np.uint8)
+        if populate:
+            # Fault every page in now (off the receive path when prepared ahead). Not with
+            # MAP_POPULATE: mmap() holds the GIL for the whole fault-in (~0.9 s per GB here),
+            # which would stall the relay's stream threads; numpy's fill releases it.
+            self.array[::mmap.PAGESIZE] = 0
+        self.handle = BufferHandle(os.getpid(), fd, os.fstat(fd).st_ino, nbytes, host_key())
+
+    @property
+    def nbytes(self) -> int:
+        return self.handle.nbytes
+
+    def release(self) -> None:
+        """No new mappings from now on; existing ones (ours included) stay valid."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self):
+        self.release()
+
+
+def open_handle(handle: BufferHandle) -> np.ndarray:
+    """A read-only uint8 view of the buffer `handle` names (no copy)."""
+    if handle.host != host_key():
+        raise NotLocal(f"buffer of pid {handle.pid} is on host {handle.host}, not this one")
+    try:
+        fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise BufferGone(f"buffer fd {handle.fd} of pid {handle.pid} was released") from None
+    except PermissionError as e:
+        raise NotLocal(f"cannot open the buffer of pid {handle.pid}: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != handle.inode or st.st_size != handle.nbytes:
+            raise BufferGone(f"fd {handle.fd} of pid {handle.pid} now holds another buffer")
+        return np.frombuffer(mmap.mmap(fd, handle.nbytes, access=mmap.ACCESS_READ), np.uint8)
+    finally:
+        os.close(fd)
+
+
+class BufferPool:
+    """Hands out SharedBuffers; `prepare(nbytes)` allocates and faults in the next one on a
+    background thread, so a version arriving later is received into pages already mapped."""
+
+    def __init__(self, name: str = "laminar-weights"):
+        self._name = name
+        self._lock = threading.Lock()
+        self._ready: SharedBuffer | None = None
+        self._thread: threading.Thread | None = None
+
+    def prepare(self, nbytes: int) -> None:
+        with self._lock:
+            if self._thread is not None or (self._ready is not None
+                                            and self._ready.nbytes == nbytes):
+                return
+            self._thread = threading.Thread(target=self._fill, args=(nbytes,), daemon=True,
+                                            name="buffer-prepare")
+            self._thread.start()
+
+    def _fill(self, nbytes: int) -> None:
+        try:
+            buf = SharedBuffer(nbytes, name=self._name)
+        except OSError:
+            buf = None    # out of memory now: `take` allocates on demand and reports the error
+        with self._lock:
+            self._ready, self._thread = buf, None
+
+    def take(self, nbytes: int) -> SharedBuffer:
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            ready, self._ready = self._ready, None
+        if ready is not None and ready.nbytes == nbytes:
+            return ready
+        return SharedBuffer(nbytes, name=self._name)
