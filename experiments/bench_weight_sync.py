@@ -21,8 +21,9 @@ each model size (bytes of the bfloat16 engine layout) and relay count p:
                 shm           the default config: TCP streams, version buffers in shared memory;
                               relays on one host (all of them here) copy each chunk from the
                               upstream's buffer, and serving is a mapping (no copy)
-                tcp           shared memory off, as between hosts: chunk bytes cross the sockets
-                              (`weights.stream`), each version is served through `ray.put`
+                tcp           as between hosts: chunk bytes cross the sockets (`weights.stream`,
+                              `shared_links=False`); versions are still served from shared memory
+                tcp_put       tcp with shared memory off: each version served through `ray.put`
                 object_store  a Ray object per chunk and hop, served through `ray.put`
               chain and fan-out run with each
   bound       M / memcpy bandwidth (one copy of the model at this machine's memcpy speed) and
@@ -158,7 +159,9 @@ def start_cluster(num_nodes: int, store_bytes: list[int]):
     return cluster, nodes
 
 
-TRANSPORTS = {"shm": ("tcp", True), "tcp": ("tcp", False), "object_store": ("object_store", False)}
+# setting: (transport, shared_memory, shared_links)
+TRANSPORTS = {"shm": ("tcp", True, True), "tcp": ("tcp", True, False),
+              "tcp_put": ("tcp", False, False), "object_store": ("object_store", False, False)}
 
 
 def run_relays(cfg, params, nodes, topology: str, repeats: int, transport: str = "shm",
@@ -174,7 +177,8 @@ def run_relays(cfg, params, nodes, topology: str, repeats: int, transport: str =
     pub = publish.Publisher(store, dtype="bfloat16", events=log)
     group = RelayGroup(cfg, store, nodes=nodes, topology=topology, publisher=pub, events=log,
                        prefix=f"bench-{uuid.uuid4().hex[:6]}", transport=TRANSPORTS[transport][0],
-                       shared_memory=TRANSPORTS[transport][1], max_chunk_bytes=max_chunk_bytes)
+                       shared_memory=TRANSPORTS[transport][1], shared_links=TRANSPORTS[transport][2],
+                       max_chunk_bytes=max_chunk_bytes)
     rows = []
     try:
         for version in range(1, repeats + 2):
@@ -274,7 +278,8 @@ def main(argv=None) -> dict:
                          "measured step by parameter count (an fp32 AdamW step needs ~9x the bf16 "
                          "model bytes)")
     ap.add_argument("--transports", default="shm,tcp,object_store",
-                    help="relay settings to measure (comma-separated): shm, tcp, object_store")
+                    help="relay settings to measure (comma-separated): shm, tcp, tcp_put, "
+                         "object_store")
     ap.add_argument("--max-chunk-bytes", default=None,
                     help="cap on the chunk size (default: the relay group's for each transport)")
     ap.add_argument("--out", default=RESULTS)

@@ -98,11 +98,13 @@ class RelayWorker:
       stream_token: shared by the relays of one group; streams without it are dropped.
       shared_memory: version buffers in shared memory (rollouts and same-host relays map them);
         False, or no memfd on this system: numpy buffers, served through the object store.
+      shared_links: with shared_memory, same-host downstream relays copy chunks from this relay's
+        buffer; False streams the bytes to them as to another host (to measure that path).
     """
 
     def __init__(self, name: str, *, transport: str = "tcp", fetch_timeout_s: float = 120.0,
                  prefetch: int = 2, stream_timeout_s: float = 60.0, host: str | None = None,
-                 stream_token: str = "", shared_memory: bool = True):
+                 stream_token: str = "", shared_memory: bool = True, shared_links: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"RelayWorker: transport must be one of {TRANSPORTS}, got {transport!r}")
         self.name, self.transport = name, transport
@@ -118,7 +120,8 @@ class RelayWorker:
                                   allocate=None if self._pool is None else self._pool.take)
         self._announced = -1         # master: newest version announced by the publisher
         self._down = Downstream(tcp=transport == "tcp", timeout_s=stream_timeout_s, log=self._log,
-                                token=stream_token, host_key=self._host_key)
+                                token=stream_token,
+                                host_key=self._host_key if shared_links else None)
         self._role: master.MasterRole | None = None
         self._server = None
         if transport == "tcp":

@@ -68,8 +68,8 @@ class RelayGroup:
       runtime_env: extra runtime_env for relay processes (JAX_PLATFORMS=cpu is always set, so a
         relay never takes an accelerator).
       transport: "tcp" or "object_store": how chunk bytes move between relays.
-      fetch_timeout_s, prefetch, stream_timeout_s, shared_memory: per-relay settings (see
-        RelayWorker).
+      fetch_timeout_s, prefetch, stream_timeout_s, shared_memory, shared_links: per-relay
+        settings (see RelayWorker).
     """
 
     def __init__(self, cfg: Any, store: Any, *, nodes: Sequence[str] | None = None,
@@ -80,7 +80,8 @@ class RelayGroup:
                  events: Callable[..., None] | None = None, prefix: str = DEFAULT_PREFIX,
                  namespace: str | None = None, runtime_env: dict | None = None,
                  transport: str = "tcp", fetch_timeout_s: float = 120.0, prefetch: int = 2,
-                 stream_timeout_s: float = 60.0, shared_memory: bool = True):
+                 stream_timeout_s: float = 60.0, shared_memory: bool = True,
+                 shared_links: bool = True):
         if topology not in ("chain", "fanout"):
             raise ValueError(f"RelayGroup: topology must be 'chain' or 'fanout', got {topology!r}")
         if transport not in TRANSPORTS:
@@ -110,7 +111,8 @@ class RelayGroup:
         self.stream_token = secrets.token_hex(16)   # relays of this group accept only each other
         self._worker_args = dict(transport=transport, fetch_timeout_s=fetch_timeout_s,
                                  prefetch=prefetch, stream_timeout_s=stream_timeout_s,
-                                 stream_token=self.stream_token, shared_memory=shared_memory)
+                                 stream_token=self.stream_token, shared_memory=shared_memory,
+                                 shared_links=shared_links)
         self.order: tuple[str, ...] = chain.chain_order(nodes, master_node)
         self.relays: dict[str, Any] = {node: self._start(node) for node in self.order}
         placed = ray.get([r.node_id.remote() for r in self.relays.values()])

@@ -2,13 +2,14 @@
 real TCP stream are rejected.
 
 One tcp chain and one object-store chain of 4 relays share one weight store (the learner is this
-test process, unsharded). Every relay sits on its own raylet. The tcp chain has shared memory off,
-as between hosts: the chunk bytes go through the relays' sockets and each version is served through
-the node's object store. The object-store chain moves chunks through the raylets' stores and
-serves from shared memory (the `via_*` counts of each relay's relay_received event say which way
-the chunks came). The chain of four over tcp with a relay killed
+test process, unsharded). Every relay sits on its own raylet. The tcp chain streams the chunk bytes
+through the relays' sockets even on this one host (`shared_links=False`, as between hosts) and
+serves each version from shared memory. The object-store chain has shared memory off: chunks go
+through the raylets' stores and each version is served through the node's object store (the
+`via_*` counts of each relay's relay_received event say which way the chunks came). The chain of four over tcp with a relay killed
 mid-broadcast, and the master failover, are in test_relay_cluster.py (tcp is the default there).
 """
+import dataclasses
 import itertools
 import time
 
@@ -22,7 +23,7 @@ from flax import nnx
 from laminar_jax.models import hf
 from laminar_jax.models.config import DecoderConfig
 from laminar_jax.models.decoder import Decoder
-from laminar_jax.weights import flat, publish, stream
+from laminar_jax.weights import flat, publish, shared_buffer, stream
 from laminar_jax.weights.events import EventLog
 from laminar_jax.weights.relay import pull, read
 from laminar_jax.weights.relay_group import RelayGroup
@@ -51,11 +52,11 @@ def groups(tmp_path_factory):
         common = dict(nodes=nodes, num_chunks=CHUNKS, runtime_env=ONE_DEVICE,
                       stream_timeout_s=10.0, fetch_timeout_s=30.0)
         tcp = RelayGroup(CFG, store, publisher=pub, transport="tcp", prefix="tt-tcp", events=log,
-                         shared_memory=False, **common)
+                         shared_links=False, **common)
         made.append(tcp)
         obj_log = EventLog()   # relays are named by node: one log per group
         objs = RelayGroup(CFG, store, transport="object_store", prefix="tt-obj", events=obj_log,
-                          **common)
+                          shared_memory=False, **common)
         made.append(objs)
         yield {"tcp": tcp, "object_store": objs, "pub": pub, "store": store, "log": log,
                "obj_log": obj_log,
@@ -105,18 +106,26 @@ def test_tcp_and_object_store_chains_deliver_equal_bytes_over_their_own_transpor
             rec, = events.records("relay_received", version=version, relay=node)
             assert (rec["via_tcp"] + rec["via_object_store"], rec[via]) == (CHUNKS, CHUNKS)
         assert events.records("stream_error") == [] and events.records("chunk_rejected") == []
-    # served from the object store (tcp chain) or shared memory (object-store chain): both are
-    # read-only views of memory the relay's node holds, two reads of one version see the same
-    # object-store bytes, and a shared buffer is the relay process's own
-    for node in tcp.order:
-        relay = tcp.relay_for(node)
+    # served from shared memory (tcp chain: each relay process its own buffer) or from the node's
+    # object store (object-store chain): read-only views, and two reads of one version in the
+    # object store see the same bytes there (no copy)
+    pids = {ray.get(tcp.relay_for(node).latest.remote()).handle.pid for node in tcp.order}
+    assert len(pids) == NUM_NODES
+    # a reader on another host cannot map the buffer: it gets an object-store copy instead, as
+    # long as the relay still serves that version
+    relay = tcp.relay_for(tcp.order[-1])
+    snap = ray.get(relay.latest.remote())
+    elsewhere = dataclasses.replace(snap, handle=dataclasses.replace(snap.handle, host="other:1"))
+    assert np.array_equal(read(relay, elsewhere), want)
+    with pytest.raises(shared_buffer.BufferGone):
+        read(relay, dataclasses.replace(elsewhere, version=snap.version - 1))
+    for node in objs.order:
+        relay = objs.relay_for(node)
         snap = ray.get(relay.latest.remote())
         assert snap.handle is None and node in ray.experimental.get_object_locations(
             [snap.buffer])[snap.buffer]["node_ids"]
         first, again = read(relay, snap), read(relay, snap)
         assert not first.flags.writeable and first.ctypes.data == again.ctypes.data
-    pids = {ray.get(objs.relay_for(node).latest.remote()).handle.pid for node in objs.order}
-    assert len(pids) == NUM_NODES
 
 
 def test_corrupt_or_truncated_chunk_on_a_tcp_stream_is_rejected_previous_version_served(groups):
