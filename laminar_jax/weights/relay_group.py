@@ -10,8 +10,11 @@ Placement: each relay is pinned to its node (hard node affinity) and named
 `chain.chain_order(nodes, master_node)`; the master sits where it can read the weight store (the
 learner's node by default). `topology="fanout"` wires the master straight to every relay instead
 (the naive baseline of the benchmark). `transport="tcp"` (default) moves chunk bytes over direct
-relay-to-relay TCP streams (`weights.stream`); `"object_store"` moves them as Ray objects. Control
-(wiring, resend requests, pulls) always goes through Ray.
+relay-to-relay TCP streams (`weights.stream`); `"object_store"` moves them as Ray objects. With
+`shared_memory` (default) each relay keeps its versions in shared memory (`weights.shared_buffer`):
+its rollouts map the served version read-only, and a downstream relay on the same host copies each
+chunk from the upstream's buffer rather than reading it from a socket. Control (wiring, resend
+requests, pulls) always goes through Ray.
 
 Faults: a relay that stops answering with an actor error is evicted and `chain.relink` cuts it
 out; its upstream is re-pointed at its downstream and resends the chunks the downstream lacks. If
