@@ -110,6 +110,7 @@ class RelayWorker:
         self.name, self.transport = name, transport
         self._fetch_timeout_s = fetch_timeout_s
         self._fetcher = concurrent.futures.ThreadPoolExecutor(prefetch, thread_name_prefix="fetch")
+        self._pruner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prune")
         self._inbox: queue.Queue = queue.Queue()
         self._events: list[dict] = []
         self._events_lock = threading.Lock()
@@ -232,7 +233,9 @@ class RelayWorker:
         shared: list[shared_buffer.SharedBuffer] = []
 
         def allocate(nbytes: int) -> np.ndarray:   # the master converts straight into it
-            shared.append(self._pool.take(nbytes))
+            # not faulted in ahead: the conversion writes every page anyway, and a prepare would
+            # compete with the broadcast for the cores
+            shared.append(self._pool.take(nbytes, populate=False))
             return shared[-1].array
 
         manifest, buffer, timings = master.prepare(
@@ -245,7 +248,17 @@ class RelayWorker:
             self._down.forward(manifest, i, buffer[s:e],
                                source=None if source is None else source.handle)
         self._complete(manifest, buffer, shared=source, forward_s=time.perf_counter() - clock)
-        pruned = master.prune(role, version)
+        self._pruner.submit(self._prune, role, version)
+
+    def _prune(self, role: master.MasterRole, version: int) -> None:
+        """Off the loop, at low priority: deleting a version frees as many pages as the model
+        has bytes, CPU the broadcast of the version just served needs."""
+        shared_buffer.background_priority()
+        try:
+            pruned = master.prune(role, version)
+        except Exception as e:  # noqa: BLE001 - a store that cannot be pruned is no reason to stop
+            self._log("relay_error", message="prune", error=repr(e))
+            return
         if pruned:
             self._log("store_pruned", versions=pruned)
 
@@ -387,7 +400,7 @@ class RelayWorker:
         self._log("relay_received", version=manifest.version, bytes=manifest.total_bytes,
                   **via, **timings)
         self._versions.serve(manifest, served, arrival)
-        if self._pool is not None:
+        if self._pool is not None and self._role is None:
             self._pool.prepare(manifest.total_bytes)   # the next version's buffer, ahead of it
 
     def _log(self, kind: str, **fields: Any) -> None:

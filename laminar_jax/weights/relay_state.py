@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from laminar_jax.weights import flat
-from laminar_jax.weights.shared_buffer import SharedBuffer
+from laminar_jax.weights.shared_buffer import SharedBuffer, drop_later
 
 __all__ = ["Arrival", "Served", "Versions"]
 
@@ -142,6 +142,8 @@ class Versions:
             previous, self.current = self.current, (manifest, served)
             if previous is not None and previous[1].shared is not None:
                 previous[1].shared.release()
+                drop_later(previous)    # its pages are freed off this thread
+                del previous
             if self.arriving is not None and self.arriving.manifest.version <= manifest.version:
                 self.arriving = None
             if arrival is not None and self._keep_spare:

@@ -229,7 +229,8 @@ class StreamServer:
                     manifests = {v: m for v, m in manifests.items() if v > version - 2}
                     manifests[version] = manifest_from_json(bytes(payload))
                 else:
-                    source = None      # drop the old mapping first: it may hold a whole version
+                    # the old mapping may be the last of a whole version: freeing it takes time
+                    shared_buffer.drop_later(source)
                     source = (version, _map_source(bytes(payload)))
                 continue
             header = Header(kind, version, chunk, offset, length, crc)
