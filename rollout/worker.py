@@ -62,6 +62,8 @@ class RolloutWorker:
         self._events: list[dict] = []
         self._steps_since_stream, self._last_stream = 0, time.time()
         self._last_poll = 0.0
+        # Highest KV use of the batch in hand: the manager's ramp-down test compares against it.
+        self._kv_peak = 0.0
         self.counters = dict(idle_s=0.0, busy_s=0.0, tokens=0, steps=0, kv_time=0.0, pulls=0,
                              groups_delivered=0, reward_errors=0, decode_errors=0, released=0, adopted=0, interrupts=0)
         r = cfg.rollout
@@ -100,6 +102,7 @@ class RolloutWorker:
             return False
         finished = self.engine.step()
         stats = self.engine.stats()
+        self._kv_peak = max(self._kv_peak, stats.kv_used)
         self.counters["steps"] += 1
         self.counters["tokens"] += stats.num_running + len(finished)
         self.counters["kv_time"] += stats.kv_used
@@ -138,7 +141,17 @@ class RolloutWorker:
         if free <= 0:
             return
         groups = call(self.data.issue, free, self.id, self.engine.weight_version)
+        if not groups:
+            return
+        if not self.groups:  # a new batch: its ramp-down is measured from its own peak
+            self._kv_peak = 0.0
+        # Fresh work on the current version ends a release: a rollout released while no newer
+        # weights exist starts its next batch here, and a pull under that batch would interrupt it
+        # and mix versions in its trajectories.
+        self._released = False
         now = time.time()
+        self._event("batch", version=self.engine.weight_version, group_ids=[g.group_id for g in groups],
+                    fresh=not self.groups)
         for g in groups:
             self.groups[g.group_id] = _Group(g, now)
             try:
@@ -241,6 +254,7 @@ class RolloutWorker:
             groups = [g.group for g in self.groups.values()]
             self.groups.clear()
             self._released = True
+            self._kv_peak = 0.0
             self.counters["released"] += 1
             self._event("released", version=version, groups=len(groups), trajectories=len(snapshot))
             return groups, snapshot
@@ -279,12 +293,16 @@ class RolloutWorker:
             return True
 
     def stats(self) -> dict:
-        """Heartbeat: engine stats, counters, failure."""
+        """Heartbeat: engine stats, counters, failure. `kv_peak` is the highest KV use since the
+        batch in hand began (the manager's ramp-down reference); `num_running` counts waiting
+        requests too."""
         with self._lock:
             s = self.engine.stats() if self.engine is not None else None
             return {"id": self.id, "failed": self.failed, "node": node_id(),
                     "version": -1 if s is None else s.weight_version, "kv_used": 0.0 if s is None else s.kv_used,
+                    "kv_peak": 0.0 if s is None else max(self._kv_peak, s.kv_used) if self.groups else s.kv_used,
                     "num_running": 0 if s is None else s.num_running + s.num_waiting,
+                    "num_waiting": 0 if s is None else s.num_waiting,
                     "groups": len(self.groups), **self.counters}
 
     def drain_events(self) -> list[dict]:

@@ -8,6 +8,17 @@
                   source, adopt its trajectories on the destination (same version, so a
                   trajectory never changes version), record the new holder in the ledger
 
+What the plan is given (`plan_loads`, `roofline_batch`), and why:
+- C_prev is the highest KV use of the rollout's batch in hand (`kv_peak` of its heartbeat), not
+  the previous sample. Ramp-down is a phase of the batch [P §5.2, Fig 9]: once nothing waits,
+  KV use only falls as trajectories finish. Sample to sample, a tail of a few trajectories holds
+  its KV pages flat (a page covers many tokens) or grows them, so the strict `C_used < C_prev`
+  against the last sample held for a draining rollout only in the rounds where one of its
+  trajectories had just finished, and two rollouts of a version rarely passed it in the same
+  round. A rollout with requests waiting is not ramping down whatever its KV does.
+- B is min(manager.roofline_batch, rollout.max_concurrency): a destination cannot run more
+  sequences than its engine's concurrency; a plan beyond it leaves moved trajectories waiting.
+
 The manager holds rollout handles and the data actor; it runs no model. Plain class, wrapped as
 a Ray actor by the driver.
 """
@@ -24,6 +35,30 @@ from laminar_jax.manager.repack import RolloutLoad, plan
 from laminar_jax.runtime.rpc import call, send
 
 STATS_TIMEOUT_S = 30.0
+
+
+def roofline_batch(cfg: Any) -> int:
+    """B of Algorithm 1: the roofline knee, capped by what one rollout's engine can run at once."""
+    return min(cfg.manager.roofline_batch, cfg.rollout.max_concurrency)
+
+
+def plan_loads(stats: dict[str, dict], kv_prev: dict[str, float]) -> list[RolloutLoad]:
+    """The plan's view of the fleet: one `RolloutLoad` per rollout that has weights.
+
+    C_prev is the batch's KV peak (`kv_peak`) when the rollout reports it, else the previous
+    sample in `kv_prev`; a rollout with waiting requests gets C_prev = C_used, so it is never a
+    ramp-down candidate (module docstring).
+    """
+    loads = []
+    for rid, s in stats.items():
+        if s["version"] < 0:
+            continue
+        used = s["kv_used"]
+        prev = s.get("kv_peak", kv_prev.get(rid, used))
+        if s.get("num_waiting", 0) > 0:
+            prev = used
+        loads.append(RolloutLoad(rid, s["version"], used, max(prev, used), s["num_running"]))
+    return loads
 
 
 class RolloutManager:
@@ -58,9 +93,8 @@ class RolloutManager:
     def round(self) -> dict[str, dict]:
         stats = self._heartbeat()
         if self.repack:
-            loads = [RolloutLoad(rid, s["version"], s["kv_used"], self.kv_prev.get(rid, s["kv_used"]),
-                                 s["num_running"]) for rid, s in stats.items() if s["version"] >= 0]
-            for move in plan(loads, c_max=self.cfg.manager.c_max, roofline_batch=self.cfg.manager.roofline_batch):
+            loads = plan_loads(stats, self.kv_prev)
+            for move in plan(loads, c_max=self.cfg.manager.c_max, roofline_batch=roofline_batch(self.cfg)):
                 self._move(move.source, move.destination, move.version)
         self.kv_prev = {rid: s["kv_used"] for rid, s in stats.items()}
         self.counters["rounds"] += 1
@@ -86,6 +120,7 @@ class RolloutManager:
         return stats
 
     def _move(self, source: str, destination: str, version: int) -> None:
+        t0 = time.time()
         got = call(self.rollouts[source].release, version)
         if got is None:
             return
@@ -94,6 +129,7 @@ class RolloutManager:
         gids = [g.group_id for g in groups]
         try:
             ok, error = call(self.rollouts[destination].adopt, version, groups, moved), None
+            overhead_s = time.time() - t0  # the moved trajectories decode nowhere meanwhile
         except Exception as e:  # noqa: BLE001 - a destination that fails must not stop repack
             ok, error = False, f"{type(e).__name__}: {e}"
         if ok:
@@ -102,7 +138,9 @@ class RolloutManager:
             self.counters["moves"] += 1
             self.counters["moved_trajectories"] += len(moved)
             self._event("repack", source=source, destination=destination, version=version,
-                        groups=len(groups), trajectories=len(moved))
+                        groups=len(groups), trajectories=len(moved),
+                        unfinished=sum(p.finish_reason is None for p in moved), group_ids=gids,
+                        overhead_s=overhead_s)
         else:  # the destination moved on to newer weights meanwhile: regenerate, never mix versions
             call(self.data.requeue, gids)
             self.counters["failed_moves"] += 1

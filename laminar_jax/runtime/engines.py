@@ -2,8 +2,8 @@
 
 `EngineFactory(cfg, model_dir)(tensors, version)` makes the JAX continuous-batching engine on
 the first weights a rollout pulls; `latency` wraps it so every step takes at least the decode
-latency a `sim.models.DecodeModel` gives for its batch (experiments/compare_modes.py: emulated
-accelerator-bound rollouts, every token still real).
+latency a `sim.models.DecodeModel` gives for its batch, plus the prefill of what it admits
+(experiments/compare_modes.py: emulated accelerator-bound rollouts, every token still real).
 """
 from __future__ import annotations
 
@@ -35,17 +35,32 @@ def tokenizer_for(model_dir: str | None):
 
 
 class LatencyEngine:
-    """An engine whose `step()` lasts at least `model.step_latency(running, kv_tokens)` seconds."""
+    """An engine whose `step()` lasts at least the emulated accelerator time of that step:
+
+        model.step_latency(n, kv_tokens) + prefill_tokens * model.prefill_s_per_token
+
+    n the sequences the step advances (running + admitted), kv_tokens their KV tokens, and
+    prefill_tokens the context (prompt + any resumed prefix) of the requests the step admits: a
+    fresh batch's prompts, and the re-prefill of trajectories a repack moved here (the cost of a
+    move the paper measures as 0.69 s) or a preemption put back. The wrapped engine must keep
+    its queue in `_waiting` (sequences with `.req.id` and `.context`), as `JaxEngine` does.
+    """
 
     def __init__(self, engine: Any, model: Any):
         self._engine, self._model = engine, model
+        self.prefill_tokens = 0
 
     def step(self):
         s = self._engine.stats()
-        target = self._model.step_latency(min(s.num_running + s.num_waiting, len(self._model.alpha) - 1),
-                                          s.kv_used_tokens) if s.num_running + s.num_waiting else 0.0
+        n = s.num_running + s.num_waiting
+        waiting = {seq.req.id: seq.context for seq in getattr(self._engine, "_waiting", ())}
         start = time.perf_counter()
         out = self._engine.step()
+        still = {seq.req.id for seq in getattr(self._engine, "_waiting", ())}
+        prefill = sum(c for rid, c in waiting.items() if rid not in still)
+        self.prefill_tokens += prefill
+        target = (self._model.step_latency(min(n, len(self._model.alpha) - 1), s.kv_used_tokens)
+                  + prefill * self._model.prefill_s_per_token) if n else 0.0
         left = target - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)

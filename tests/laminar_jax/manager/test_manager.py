@@ -5,14 +5,18 @@ manager asks of them, and a real in-process DataActor holding the ledger and par
   trajectory over with repack_count + 1, and records the new holder in the ledger;
 - a refused adoption re-queues the groups (never continued on other weights);
 - a dead rollout's groups are re-issued to a live rollout on the version their tokens have when
-  every sample is in the partial pool, otherwise re-queued; the ledger stays balanced.
+  every sample is in the partial pool, otherwise re-queued; the ledger stays balanced;
+- the plan's inputs: a draining rollout is a ramp-down candidate while its KV is below its batch's
+  peak (flat between samples included), never while requests wait; B is capped by a rollout's
+  concurrency.
 """
 import numpy as np
 import ray
 
 from laminar_jax.config import load_config
 from laminar_jax.data.records import PartialTrajectory, PromptRow
-from laminar_jax.manager.manager import RolloutManager
+from laminar_jax.manager.manager import RolloutManager, plan_loads, roofline_batch
+from laminar_jax.manager.repack import is_candidate
 from laminar_jax.runtime.data_actor import DataActor
 
 GROUP = 2
@@ -123,3 +127,63 @@ def test_dead_rollouts_groups_are_reissued_on_their_version_or_requeued():
     assert holders == {g0.group_id: "y", g1.group_id: "z"}
     (event,) = [e for e in m.drain_events() if e["kind"] == "rollout_dead"]
     assert (event["reissued"], event["requeued"]) == (2, 1)
+
+
+class PeakRollout(FakeRollout):
+    """A rollout that reports its batch's KV peak and waiting requests, as RolloutWorker does."""
+
+    def __init__(self, rid, version, *, kv, peak, running, waiting=0):
+        super().__init__(rid, version)
+        self.kv, self.peak, self.running, self.waiting = kv, peak, running, waiting
+
+    def stats(self):
+        return {**super().stats(), "kv_peak": self.peak, "num_waiting": self.waiting}
+
+
+def held(data, rid, version):
+    (g,) = data.issue(1, rid, version)
+    return ([g], [partial(g, 0, rid, [version]), partial(g, 1, rid, [version])])
+
+
+def test_draining_tails_with_flat_kv_between_samples_are_repacked():
+    """Two tails of one version whose KV pages did not change since the last round: the old
+    sample-to-sample test (C_used < previous C_used) never saw them ramping down; below their
+    batch's peak they are, and Algorithm 1 merges them."""
+    data = data_actor()
+    a = PeakRollout("a", 0, kv=0.02, peak=0.12, running=2)
+    b = PeakRollout("b", 0, kv=0.03, peak=0.12, running=3)
+    a.held = held(data, "a", 0)
+    m = manager([a, b], data)
+    m.kv_prev = {"a": 0.02, "b": 0.03}  # the previous round saw the same KV: flat
+    m.round()
+    assert a.released == [0] and len(b.adopted) == 1 and m.counters["moves"] == 1
+    loads = {r.id: r for r in plan_loads({"a": a.stats(), "b": b.stats()}, {})}
+    assert loads["a"].kv_prev == 0.12 and loads["a"].kv_used == 0.02
+
+
+def test_a_rollout_with_waiting_requests_is_not_ramping_down():
+    loads = plan_loads({"a": {"version": 0, "kv_used": 0.2, "kv_peak": 0.5, "num_running": 6, "num_waiting": 2},
+                        "b": {"version": 0, "kv_used": 0.2, "kv_peak": 0.5, "num_running": 4, "num_waiting": 0},
+                        "c": {"version": -1, "kv_used": 0.0, "num_running": 0}}, {})
+    assert {r.id: (r.kv_used, r.kv_prev) for r in loads} == {"a": (0.2, 0.2), "b": (0.2, 0.5)}
+    assert is_candidate(loads[1], c_max=0.99, roofline_batch=64)
+    assert not is_candidate(loads[0], c_max=0.99, roofline_batch=64)
+    # without kv_peak (another rollout implementation) the previous sample is C_prev, as before
+    (old,) = plan_loads({"a": {"version": 0, "kv_used": 0.2, "num_running": 3}}, {"a": 0.3})
+    assert old.kv_prev == 0.3
+
+
+def test_the_roofline_batch_is_capped_by_one_rollouts_concurrency():
+    """B = 64 but an engine runs 8 at once: 5 + 5 trajectories must not be packed onto one rollout
+    (the moved ones would wait), 4 + 4 may."""
+    cfg = load_config("configs/default.yaml", ["manager.mode=laminar", "manager.roofline_batch=64",
+                                               "rollout.max_concurrency=8"])
+    assert roofline_batch(cfg) == 8
+    for running, moved in ((5, 0), (4, 1)):
+        data = data_actor()
+        a = PeakRollout("a", 0, kv=0.02, peak=0.1, running=running)
+        b = PeakRollout("b", 0, kv=0.03, peak=0.1, running=running)
+        a.held = held(data, "a", 0)
+        m = RolloutManager(cfg, {"a": a, "b": b}, data)
+        m.round()
+        assert m.counters["moves"] == moved, running
