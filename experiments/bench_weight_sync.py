@@ -19,8 +19,8 @@ each model size (bytes of the bfloat16 engine layout) and relay count p:
               every relay itself, and of a plain `ray.put` + concurrent `ray.get` on every node
   transport   how chunk bytes move between relays, and how a relay serves its rollouts:
                 shm           the default config: TCP streams, version buffers in shared memory;
-                              relays on one host (all of them here) copy each chunk from the
-                              upstream's buffer, and serving is a mapping (no copy)
+                              relays on one host (all of them here) share the upstream's buffer
+                              and check each chunk in it (no copy), serving is a mapping
                 tcp           as between hosts: chunk bytes cross the sockets (`weights.stream`,
                               `shared_links=False`); versions are still served from shared memory
                 tcp_put       tcp with shared memory off: each version served through `ray.put`

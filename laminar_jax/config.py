@@ -212,9 +212,9 @@ class RelayConfig:
     from it) or "object_store" (Ray's); stream_timeout_s bounds a connect, a chunk's send and a
     read inside a frame, so a dead peer is an event, not a hang. shared_memory: version buffers
     in shared memory (Linux memfd), which rollouts map read-only instead of reading an
-    object-store copy, and which relays on one host copy chunks from instead of streaming them
-    (relays on other hosts still get bytes over the transport); false serves every version through
-    the node's object store.
+    object-store copy, and which relays on one host share (one copy per host, every relay checks
+    every chunk) instead of streaming the bytes (relays on other hosts still get bytes over the
+    transport); false serves every version through the node's object store.
     """
 
     enabled: bool = True

@@ -29,8 +29,8 @@ broken socket costs speed, not the version; a dead relay is cut out by the group
 Rollouts call `latest()` (answers at once) or `wait_newer(version, timeout_s)`; both return a
 `Snapshot(version, buffer, index, handle)`. With `shared_memory` (default, Linux) version buffers
 are memfds (`weights.shared_buffer`) and `handle` names the served one: a rollout on this host maps
-it read-only, so serving a version copies nothing, and relays on this host copy chunks from each
-other's buffers instead of streaming them. Otherwise `buffer` is an ObjectRef to the flat buffer
+it read-only, so serving a version copies nothing, and relays on this host share one buffer per
+version (each checks every chunk in it) instead of streaming the bytes. Otherwise `buffer` is an ObjectRef to the flat buffer
 in this node's object store (`ray.get` on the same node maps it without copying). `read` below
 does either, and falls back to an object-store copy for a reader on another host. A relay holds
 the current version and at most one arriving version (plus the buffer prepared for the next one:
@@ -354,12 +354,12 @@ class RelayWorker:
                                     None if shared is None else shared.handle)
 
     # ------------------------------------------------------------------ stream sink
-    def _stream_claim(self, manifest: flat.Manifest, header: stream.Header
-                      ) -> tuple[np.ndarray, _Claim] | None:
+    def _stream_claim(self, manifest: flat.Manifest, header: stream.Header,
+                      source: stream.Source | None = None) -> tuple[np.ndarray, _Claim] | None:
         i = header.chunk
         fits = (0 <= i < manifest.num_chunks and header.offset == manifest.chunks[i][0]
                 and header.length == manifest.chunks[i][1] - manifest.chunks[i][0])
-        claimed = self._versions.claim(manifest, i, fits=fits)
+        claimed = self._versions.claim(manifest, i, fits=fits, source=source)
         if claimed is None or claimed[1] == "busy":
             return None
         arrival, state = claimed
@@ -400,7 +400,8 @@ class RelayWorker:
         self._log("relay_received", version=manifest.version, bytes=manifest.total_bytes,
                   **via, **timings)
         self._versions.serve(manifest, served, arrival)
-        if self._pool is not None and self._role is None:
+        if self._pool is not None and self._role is None and shared is not None \
+                and shared.writable:   # received into its own buffer: likely the next one too
             self._pool.prepare(manifest.total_bytes)   # the next version's buffer, ahead of it
 
     def _log(self, kind: str, **fields: Any) -> None:

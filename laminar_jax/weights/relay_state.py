@@ -8,7 +8,11 @@ threads), so every transition happens here, under one condition variable:
                          version, one rejected before, a chunk already in); a newer version
                          replaces the arriving one ("version_dropped"). A chunk being read from
                          one connection is "busy" for the others, so two streams never write the
-                         same bytes at once.
+                         same bytes at once. With `source` (a same-host upstream's shared buffer
+                         holding the chunk), a new arrival adopts that buffer: the relays of one
+                         host share the version's memory and each checks every chunk itself. An
+                         adopted arrival turns private (its own buffer, a copy of what is in) as
+                         soon as a chunk comes another way.
     accept(arrival, i)   chunk i passed its checks; True when it completes the version.
     serve(...)           the complete version becomes the served one.
     reject(...)          a bad chunk: the arriving version is dropped, the served one stays, and
@@ -86,10 +90,11 @@ class Versions:
             return ((self.current is not None and version <= self.current[0].version)
                     or version <= self._rejected)
 
-    def claim(self, manifest: flat.Manifest, i: int, *, fits: bool | None = None
-              ) -> tuple[Arrival, str] | None:
+    def claim(self, manifest: flat.Manifest, i: int, *, fits: bool | None = None,
+              source: Any = None) -> tuple[Arrival, str] | None:
         """None if chunk `i` is not needed; else (arrival, state) with state "direct" (write it
-        into `arrival.buffer`, then `done_receiving`), "busy" (it is being received on another
+        into `arrival.buffer`, then `done_receiving`; with a `source` the arrival may share it,
+        and then the chunk is already in place), "busy" (it is being received on another
         connection) or "misfit" (it cannot be placed: check it, which rejects it)."""
         v = manifest.version
         with self.cond:
@@ -99,7 +104,7 @@ class Versions:
             if arrival is None or arrival.manifest.version < v:
                 if arrival is not None:
                     self._log("version_dropped", version=arrival.manifest.version, superseded_by=v)
-                arrival = self.arriving = self._new_arrival(manifest)
+                arrival = self.arriving = self._new_arrival(manifest, source)
             elif arrival.manifest.version > v or i in arrival.have:
                 return None
             if manifest != arrival.manifest:
@@ -109,10 +114,20 @@ class Versions:
                 return arrival, "misfit"
             if i in arrival.receiving:
                 return arrival, "busy"
+            shared = arrival.shared
+            if shared is not None and not shared.writable and (
+                    source is None or source.handle.inode != shared.handle.inode):
+                self._privatize(arrival)
             arrival.receiving.add(i)
             return arrival, "direct"
 
-    def _new_arrival(self, manifest: flat.Manifest) -> Arrival:
+    def _new_arrival(self, manifest: flat.Manifest, source: Any = None) -> Arrival:
+        if source is not None and source.array.size == manifest.total_bytes:
+            try:
+                return Arrival(manifest, source.array, SharedBuffer.adopt(source.handle,
+                                                                          source.array))
+            except LookupError:     # released or not local after all: receive a copy
+                pass
         if self._allocate is not None:
             shared = self._allocate(manifest.total_bytes)
             return Arrival(manifest, shared.array, shared)
@@ -121,6 +136,23 @@ class Versions:
                 and not spare.receiving):
             return Arrival(manifest, spare.buffer)
         return Arrival(manifest, np.empty(manifest.total_bytes, np.uint8))
+
+    def _privatize(self, arrival: Arrival) -> None:
+        """A chunk of an adopted arrival comes another way (bytes, or another buffer): copy what
+        is in into a buffer of this relay's own and receive into that from now on."""
+        if self._allocate is None:
+            buffer, shared = np.empty(arrival.manifest.total_bytes, np.uint8), None
+        else:
+            shared = self._allocate(arrival.manifest.total_bytes)
+            buffer = shared.array
+        # chunks in `receiving` are chunk-at claims in place: their bytes are in the buffer too
+        for j in arrival.have | arrival.landed | arrival.receiving:
+            s, e = arrival.manifest.chunks[j]
+            buffer[s:e] = arrival.buffer[s:e]
+        adopted, arrival.buffer, arrival.shared = arrival.shared, buffer, shared
+        adopted.release()
+        self._log("version_privatized", version=arrival.manifest.version,
+                  chunks=len(arrival.have | arrival.landed | arrival.receiving))
 
     def done_receiving(self, arrival: Arrival, i: int) -> bool:
         """Ends a "direct" claim; True if chunk `i` of `arrival` is still wanted."""

@@ -8,9 +8,11 @@ and no /dev/shm size limit applies. Another process on the same host maps it thr
     rollouts          map the served version read-only instead of reading a copy in the object
                       store: serving a version costs no copy at all (Laminar §4.2: rollouts pull
                       from their node's relay through shared memory);
-    same-host relays  copy a chunk straight from the upstream relay's buffer, one memcpy instead
-                      of a socket's two kernel copies (what NCCL's SHM transport does for peers
-                      on one node; relays on other hosts get the bytes over TCP).
+    same-host relays  share the upstream relay's buffer (`SharedBuffer.adopt`: an fd of their
+                      own, so the version outlives the upstream) and check each chunk in it as
+                      the upstream announces it: no copy at all, and one copy of a version per
+                      host whatever the number of relays there (as NCCL uses shared memory for
+                      peers on one node). Relays on other hosts get the bytes over TCP.
 
 A `BufferHandle` (pid, fd, inode, size, host key) names a buffer. Once the relay supersedes a
 version it closes that fd: mappings made before stay valid (the kernel frees the memory with the
@@ -87,6 +89,7 @@ class SharedBuffer:
             os.close(fd)
             raise
         self._fd = fd
+        self.writable = True
         self.array = np.frombuffer(self._map, np.uint8)
         if populate:
             # Fault every page in now (off the receive path when prepared ahead). Not with
@@ -94,6 +97,19 @@ class SharedBuffer:
             # which would stall the relay's stream threads; numpy's fill releases it.
             self.array[::mmap.PAGESIZE] = 0
         self.handle = BufferHandle(os.getpid(), fd, os.fstat(fd).st_ino, nbytes, host_key())
+
+    @classmethod
+    def adopt(cls, handle: BufferHandle, array: np.ndarray) -> "SharedBuffer":
+        """Shares another process's buffer, already mapped here as `array` (read-only): this
+        process keeps an fd of its own, so it can hand out a handle (`self.handle`) and the
+        memory lives on while any holder does, whatever becomes of the owner."""
+        if handle.host != host_key():
+            raise NotLocal(f"buffer of pid {handle.pid} is on host {handle.host}, not this one")
+        fd = _open_checked(handle)
+        self = cls.__new__(cls)
+        self._fd, self._map, self.writable, self.array = fd, None, False, array
+        self.handle = BufferHandle(os.getpid(), fd, handle.inode, handle.nbytes, host_key())
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -109,20 +125,27 @@ class SharedBuffer:
         self.release()
 
 
-def open_handle(handle: BufferHandle) -> np.ndarray:
-    """A read-only uint8 view of the buffer `handle` names (no copy)."""
-    if handle.host != host_key():
-        raise NotLocal(f"buffer of pid {handle.pid} is on host {handle.host}, not this one")
+def _open_checked(handle: BufferHandle) -> int:
+    """A read-only fd of the buffer `handle` names (the inode is checked: fds get reused)."""
     try:
         fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise BufferGone(f"buffer fd {handle.fd} of pid {handle.pid} was released") from None
     except PermissionError as e:
         raise NotLocal(f"cannot open the buffer of pid {handle.pid}: {e}") from None
+    st = os.fstat(fd)
+    if st.st_ino != handle.inode or st.st_size != handle.nbytes:
+        os.close(fd)
+        raise BufferGone(f"fd {handle.fd} of pid {handle.pid} now holds another buffer")
+    return fd
+
+
+def open_handle(handle: BufferHandle) -> np.ndarray:
+    """A read-only uint8 view of the buffer `handle` names (no copy)."""
+    if handle.host != host_key():
+        raise NotLocal(f"buffer of pid {handle.pid} is on host {handle.host}, not this one")
+    fd = _open_checked(handle)
     try:
-        st = os.fstat(fd)
-        if st.st_ino != handle.inode or st.st_size != handle.nbytes:
-            raise BufferGone(f"fd {handle.fd} of pid {handle.pid} now holds another buffer")
         return np.frombuffer(mmap.mmap(fd, handle.nbytes, access=mmap.ACCESS_READ), np.uint8)
     finally:
         os.close(fd)

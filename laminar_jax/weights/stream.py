@@ -17,8 +17,10 @@ Wire format, little-endian, one frame after another on a connection:
 
 Between relays on one host (`same_host` links) the bytes do not cross the socket: the sender
 names its version buffer once per version (kind 4, a `shared_buffer.BufferHandle`), the receiver
-maps it read-only, and each chunk-at frame (kind 5) tells it to copy [offset, offset + length)
-from that mapping into its own buffer: one memcpy per hop instead of two kernel copies.
+maps it read-only, and each chunk-at frame (kind 5) says that [offset, offset + length) of that
+buffer now holds the chunk. The sink decides where the chunk goes (`claim(..., source=)`): a
+read-only view of that same buffer (the receiving relay shares the version's memory: nothing is
+copied) or a writable view of its own buffer (the bytes are copied from the mapping).
 
 A relay drops a connection whose first frame is not the hello with its group's token, so bytes
 from anyone else (a relay of another run that now owns a dead relay's port, a stray client) never
@@ -26,7 +28,9 @@ reach a version buffer.
 
 The receiver checks nothing itself; it asks its sink where the payload goes and hands it over:
 
-    sink.claim(manifest, header) -> (view, ticket) | None   None: read and drop the payload
+    sink.claim(manifest, header, source=None) -> (view, ticket) | None
+                                                            None: read and drop the payload;
+                                                            source: a chunk-at frame's `Source`
     sink.received(ticket, view)                             the payload is in `view`
     sink.lost(ticket, error)                                the connection failed mid-payload
     sink.log(kind, **fields)                                "stream_error" events
@@ -50,7 +54,7 @@ import numpy as np
 
 from laminar_jax.weights import flat, shared_buffer
 
-__all__ = ["Header", "StreamServer", "StreamLink", "connect", "write_manifest", "write_chunk",
+__all__ = ["Header", "Source", "StreamServer", "StreamLink", "connect", "write_manifest", "write_chunk",
            "write_source", "write_chunk_at", "manifest_to_json", "manifest_from_json"]
 
 MAGIC = b"LJW1"
@@ -137,10 +141,19 @@ def _read_into(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def _map_source(payload: bytes) -> np.ndarray | str:
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A same-host sender's version buffer: its handle and this process's read-only mapping."""
+
+    handle: shared_buffer.BufferHandle
+    array: np.ndarray
+
+
+def _map_source(payload: bytes) -> Source | str:
     """The sender's version buffer mapped read-only, or why it cannot be (it was released)."""
     try:
-        return shared_buffer.open_handle(shared_buffer.BufferHandle.from_json(json.loads(payload)))
+        handle = shared_buffer.BufferHandle.from_json(json.loads(payload))
+        return Source(handle, shared_buffer.open_handle(handle))
     except (LookupError, ValueError, TypeError, OSError) as e:
         return f"source buffer not mapped: {e!r}"
 
@@ -194,7 +207,7 @@ class StreamServer:
 
     def _frames(self, conn: socket.socket, peer: str) -> None:
         manifests: dict[int, flat.Manifest] = {}
-        source: tuple[int, np.ndarray | str] | None = None   # (version, mapping or why not)
+        source: tuple[int, Source | str] | None = None   # (version, mapping or why not)
         raw = bytearray(_HEADER.size)
         greeted = False
         while True:
@@ -245,9 +258,11 @@ class StreamServer:
                                        or isinstance(source[1], str)):
                 problem = ("no mapped source buffer for this version" if source is None
                            or source[0] != version else source[1])
-            elif kind == CHUNK_AT and offset + length > source[1].size:
+            elif kind == CHUNK_AT and offset + length > source[1].array.size:
                 raise ValueError(f"chunk {chunk} [{offset}, {offset + length}) lies outside the "
-                                 f"source buffer of {source[1].size} bytes")
+                                 f"source buffer of {source[1].array.size} bytes")
+            elif kind == CHUNK_AT:
+                claimed = self._sink.claim(manifest, header, source=source[1])
             else:
                 claimed = self._sink.claim(manifest, header)
             if problem is not None:
@@ -259,7 +274,8 @@ class StreamServer:
                 continue
             view, ticket = claimed
             if kind == CHUNK_AT:
-                np.copyto(view, source[1][offset:offset + length])
+                if view.flags.writeable:   # else the sink shares the source: nothing to copy
+                    np.copyto(view, source[1].array[offset:offset + length])
                 self._sink.received(ticket, view)
                 continue
             try:

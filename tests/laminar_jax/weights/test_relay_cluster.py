@@ -1,8 +1,8 @@
 """Relays on an emulated 4-node Ray cluster: publish, chain broadcast, pull, faults.
 
 Relays use the defaults: TCP streams between relays, version buffers in shared memory. The nodes
-share this one host, so every link is a same-host one: chunks are copied from the upstream relay's
-shared buffer, and rollouts map their relay's buffer (test_relay_transports.py covers bytes on the
+share this one host, so every link is a same-host one: a relay shares its upstream's buffer and
+checks each chunk as the upstream announces it, and rollouts map their relay's buffer (test_relay_transports.py covers bytes on the
 sockets, the object-store transport and serving through the object store). Real Ray (each node its
 own raylet and object store), real orbax. The learner is this test process (8 fake CPU devices from conftest); relay processes get 1
 device, so every restore crosses topologies. One cluster and one relay group serve the whole
@@ -125,10 +125,12 @@ def test_publish_then_pull_every_relay_sharded_and_unsharded(stack):
             got_version, buffer, index = pull(group.relay_for(node))
             assert got_version == version and index == want_index
             assert np.array_equal(buffer, want), f"relay {node} holds different bytes"
-    # each relay serves its own copy, in its own process's shared memory, on this host
+    # relays on one host share one copy of the version: each serves it under its own fd (so it
+    # outlives any other relay), and every one of them checked every chunk itself
     handles = [ray.get(group.relay_for(node).latest.remote()).handle for node in group.order]
     assert len({h.pid for h in handles}) == NUM_NODES and os.getpid() not in {h.pid for h in handles}
     assert {h.host for h in handles} == {shared_buffer.host_key()}
+    assert len({h.inode for h in handles}) == 1
     # each relay holds one complete version and nothing arriving; the store keeps the newest
     assert all(s["version"] == versions[1] and s["arriving"] is None for s in group.status().values())
     wait_for(lambda: stack.store.versions() == [versions[1]], what="store pruning")

@@ -20,7 +20,7 @@ class Sink:
         self.got, self.lost_calls, self.events = [], [], []
         self.cond = threading.Condition()
 
-    def claim(self, manifest, header):
+    def claim(self, manifest, header, source=None):
         s, e = manifest.chunks[header.chunk]
         return self.buffer[s:e], (manifest, header)
 
