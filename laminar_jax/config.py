@@ -237,9 +237,10 @@ class RelayConfig:
 class ManagerConfig:
     """Scheduling mode and the rollout manager (paper sections 3-5).
 
-    repack: move trajectories off rollouts whose KV use is falling (Algorithm 1), checked every
-    repack_interval_s; c_max caps a destination's KV use, roofline_batch is the batch at which
-    decode stops being memory-bound. max_staleness bounds gen_version lag in "stream"/"partial".
+    repack: move trajectories off rollouts whose KV use is falling below their batch's peak
+    (Algorithm 1), checked every repack_interval_s; c_max caps a destination's KV use,
+    roofline_batch is the batch at which decode stops being memory-bound (capped at
+    rollout.max_concurrency, the most one engine runs at once). max_staleness bounds gen_version lag in "stream"/"partial".
     A worker silent for heartbeat_timeout_s is declared dead.
     """
 

@@ -62,6 +62,7 @@ class Fleet:
             relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=cfg.relay.num_chunks or None,
                                 t_byte=cfg.relay.t_byte_s, t_start=cfg.relay.t_start_s, prefix=prefix,
                                 transport=cfg.relay.transport, stream_timeout_s=cfg.relay.stream_timeout_s,
+                                shared_memory=cfg.relay.shared_memory,
                                 on_master_change=[lambda m: ray.get(learner.set_master.remote(m))],
                                 events=events, runtime_env={"env_vars": {
                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})
