@@ -4,6 +4,9 @@ learner, relays, manager), reporting what the paper's section 8 compares:
     learner-consumed trajectories/s and tokens/s, learner idle %, rollout idle %, staleness
     distribution, KV-cache use, repack moves
 
+(the printed table gives the mean staleness; the .json keeps every run's staleness
+distribution, KV-cache use and run folder.)
+
 Workload: the countdown task (response lengths drawn from a power law, p99 about 10x the median)
 on a short supervised warm-up of the tiny model, several rollouts. Two engine settings:
     real       the JAX engine as it runs on this CPU;
@@ -13,16 +16,21 @@ on a short supervised warm-up of the tiny model, several rollouts. Two engine se
                accelerator-bound the way the paper's are, while every token is still real.
 Modes: sync, one_step, stream, partial, laminar (repack on) and laminar without repack.
 
-    python experiments/compare_modes.py                       # both engines, all modes
-    python experiments/compare_modes.py --engines emulated --steps 8
-    # rollout-bound, versions shared by several rollouts (the paper's regime; repack can pair them):
-    python experiments/compare_modes.py --engines emulated --modes laminar,laminar_no_repack,sync \
-        --steps 8 --groups 16 --latency-scale 12   # results/compare_modes_rollout_bound.*
-    # repack's gain with repeats: the same regime, rollouts slow enough (scale 24) that the CPU
-    # learner keeps up, 5 interleaved pairs after an unmeasured priming run:
+Every command below wrote the results named after it, under experiments/results/ (the runs also
+passed --work, a scratch folder under /tmp, which the .txt's first line records):
+
+    # both engines, all modes, defaults (10 steps, 4 groups, --latency-scale 4):
+    python experiments/compare_modes.py                          # compare_modes.*
+    # rollout-bound, versions shared by several rollouts (the paper's regime; repack can pair
+    # them), against sync; at --latency-scale 24 the CPU learner keeps up (learner idle > 50%,
+    # rollouts never idle), 3 interleaved repeats after an unmeasured priming run:
+    python experiments/compare_modes.py --engines emulated --modes sync,laminar,laminar_no_repack \
+        --steps 8 --groups 16 --latency-scale 24 --repeats 3 --prime-steps 8 \
+        --name compare_modes_rollout_bound                # compare_modes_rollout_bound.*
+    # repack's gain alone in the same regime, 5 interleaved pairs:
     python experiments/compare_modes.py --engines emulated --modes laminar,laminar_no_repack \
         --steps 8 --groups 16 --latency-scale 24 --repeats 5 --prime-steps 8 \
-        --name compare_modes_repack                  # results/compare_modes_repack.*
+        --name compare_modes_repack                       # compare_modes_repack.*
 
 --repeats N runs every mode N times, interleaved and counterbalanced (A B, B A, A B, ...), and
 reports per mode the mean +- std over the repeats, and repack's gain (laminar over
@@ -38,11 +46,12 @@ excluded). "x sync" is tokens/s, the paper's throughput (prompt + response token
 second); trajectories/s follows it. Repack merges only rollouts on the same weight version, so
 it needs a global batch larger than one rollout's (as in the paper: 8192 trajectories against a
 few hundred per rollout); with `--groups` near one rollout's batch every rollout sits on its own
-version and repack has nothing to merge. With --latency-scale 12 the CPU learner (about 2 s per
-128-trajectory update, more while it shares the 2 cores with the rollouts) is as fast as the
-rollouts, so repack's extra trajectories mostly wait for it. The emulated engine charges
-prefill too (the profile's 2e4 tokens/s, slowed like decode), so a move's re-prefill costs what
-it would. Writes experiments/results/<--name>.{json,txt} and prints a table.
+version and repack has nothing to merge. At --latency-scale 12 that regime is not
+rollout-bound on a 2-core CPU: the CPU learner (about 2 s per 128-trajectory update, more while
+it shares the cores with the rollouts) is the bottleneck, so repack's extra trajectories mostly
+wait for it; at 24 the rollouts are (they never idle, the learner idles over half the time). The
+emulated engine charges prefill too (the profile's 2e4 tokens/s, slowed like decode), so a move's
+re-prefill costs what it would. Writes experiments/results/<--name>.{json,txt} and prints a table.
 """
 from __future__ import annotations
 
