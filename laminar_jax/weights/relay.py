@@ -30,8 +30,9 @@ Rollouts call `latest()` (answers at once) or `wait_newer(version, timeout_s)`; 
 `Snapshot(version, buffer, index, handle)`. With `shared_memory` (default, Linux) version buffers
 are memfds (`weights.shared_buffer`) and `handle` names the served one: a rollout on this host maps
 it read-only, so serving a version copies nothing, and relays on this host share one buffer per
-version (each checks every chunk in it) instead of streaming the bytes. Otherwise `buffer` is an ObjectRef to the flat buffer
-in this node's object store (`ray.get` on the same node maps it without copying). `read` below
+version (each checks every chunk in it) instead of streaming the bytes. Otherwise `buffer` is an
+ObjectRef to the flat buffer in this node's object store (`ray.get` on the same node maps it
+without copying). `read` below
 does either, and falls back to an object-store copy for a reader on another host. A relay holds
 the current version and at most one arriving version (plus the buffer prepared for the next one:
 shared buffers are never reused while rollouts may read them).
@@ -98,8 +99,8 @@ class RelayWorker:
       stream_token: shared by the relays of one group; streams without it are dropped.
       shared_memory: version buffers in shared memory (rollouts and same-host relays map them);
         False, or no memfd on this system: numpy buffers, served through the object store.
-      shared_links: with shared_memory, same-host downstream relays copy chunks from this relay's
-        buffer; False streams the bytes to them as to another host (to measure that path).
+      shared_links: with shared_memory, same-host downstream relays share this relay's buffer;
+        False streams the bytes to them as to another host (to measure that path).
     """
 
     def __init__(self, name: str, *, transport: str = "tcp", fetch_timeout_s: float = 120.0,
