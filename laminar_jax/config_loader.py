@@ -204,7 +204,19 @@ def _blame(schema: type, message: str, prefix: str) -> tuple[str, str]:
     return key, f"{key}: {message}"
 
 
-def _build(schema: type, data: Any, prefix: str, ctx: _Ctx) -> Any:
+def _field_default(f: dataclasses.Field, default: Any) -> Any:
+    """The value a field takes when the file leaves it out: the enclosing default's, else its own."""
+    if default is not None:
+        return getattr(default, f.name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _build(schema: type, data: Any, prefix: str, ctx: _Ctx, default: Any = None) -> Any:
+    """`schema` from `data`; a key the data leaves out takes its value in `default` (the enclosing
+    section's default instance), so a section named with some keys missing gets, for those keys,
+    exactly the value it has when the whole section is missing: one default per key."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -216,7 +228,14 @@ def _build(schema: type, data: Any, prefix: str, ctx: _Ctx) -> Any:
     kwargs = {}
     for name, (tp, f) in fields.items():
         if name in data:
-            kwargs[name] = _convert(tp, data[name], _join(prefix, name), ctx)
+            sub_default = _field_default(f, default)
+            if dataclasses.is_dataclass(tp) and isinstance(sub_default, tp) and \
+                    (data[name] is None or isinstance(data[name], dict)):
+                kwargs[name] = _build(tp, data[name], _join(prefix, name), ctx, sub_default)
+            else:
+                kwargs[name] = _convert(tp, data[name], _join(prefix, name), ctx)
+        elif default is not None:
+            kwargs[name] = getattr(default, name)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{ctx.where(prefix)}: {_join(prefix, name)}: missing required key "
                               f"(expected {_describe(tp)})")

@@ -301,3 +301,44 @@ def test_dump_then_load_is_identity(name, lr, b1, seed, data, is_max, path):
             base.loss.correction, is_max=is_max)),
     )
     assert config_from_dict(yaml_load(dump_yaml(cfg))) == cfg
+
+
+def _sections(schema: type, default, prefix: str = ""):
+    """(dotted name, default instance) of every section and sub-section of the schema."""
+    for f in dataclasses.fields(schema):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            name = f"{prefix}{f.name}"
+            yield name, value
+            yield from _sections(type(value), value, name + ".")
+
+
+def _nest(dotted: str, leaf):
+    data = leaf
+    for part in reversed(dotted.split(".")):
+        data = {part: data}
+    return data
+
+
+_ALL_SECTIONS = [name for name, _ in _sections(Config, Config())]
+
+
+@pytest.mark.parametrize("section", _ALL_SECTIONS)
+@pytest.mark.parametrize("empty", [{}, None], ids=["empty-mapping", "null"])
+def test_a_named_section_without_keys_equals_the_defaults(section, empty):
+    """One default per key: naming a section (or a sub-section) but none of its keys changes
+    nothing, whatever the dataclass defaults of its type are (Config.loss is LossSpec with
+    correction.old 'behaviour', LossSpec() alone has 'prox')."""
+    assert config_from_dict(_nest(section, empty)) == Config()
+
+
+def test_an_unrelated_loss_key_keeps_the_ppo_anchor(tmp_path):
+    """Adding `loss: {surrogate: {kind: ppo}}` used to flip correction.old to LossSpec's 'prox'."""
+    assert Config().loss.correction.old == "behaviour"
+    cfg = load_config(_write(tmp_path, "loss:\n  surrogate: {kind: ppo}\n"))
+    assert cfg.loss.correction.old == "behaviour"
+    assert cfg == Config()
+    cfg = load_config(_write(tmp_path, "loss:\n  correction: {is_max: 3.0}\n"))
+    assert cfg.loss.correction == dataclasses.replace(Config().loss.correction, is_max=3.0)
+    cfg = load_config(None, ["loss.entropy_coef=0.01"])
+    assert cfg.loss.correction.old == "behaviour"
