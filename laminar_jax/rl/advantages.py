@@ -157,7 +157,7 @@ def reinforce_pp_advantages(rewards: Array, response_mask: Array, *, gamma: floa
     must have an all-zero `response_mask` row.
 
     Returns `(advantages [B, T], metrics)`; metrics: `return_mean`, `return_std` (before
-    whitening, over masked-in tokens).
+    whitening, over masked-in tokens; the unbiased std, the one the whitening divides by).
     """
     mask = _check_tokens("reinforce_pp_advantages", response_mask)
     token_rewards = place_at_last_token(rewards, mask)
@@ -165,7 +165,7 @@ def reinforce_pp_advantages(rewards: Array, response_mask: Array, *, gamma: floa
         _check_tokens("reinforce_pp_advantages", mask, ("kl", kl))
         token_rewards = token_rewards - kl_coef * jnp.where(mask, as_float(kl), 0.0)
     ret = discounted_returns(token_rewards, mask, gamma=gamma)
-    return masked_whiten(ret, mask, eps=eps), _moments("return", ret, mask)
+    return masked_whiten(ret, mask, eps=eps), _moments("return", ret, mask, unbiased=True)
 
 
 def reinforce_pp_baseline_advantages(rewards: Array, group_ids: Array, valid: Array,
@@ -218,11 +218,13 @@ def gae_advantages(token_rewards: Array, values: Array, response_mask: Array, *,
     return (adv, returns), _moments("return", returns, mask)
 
 
-def _moments(prefix: str, x: Array, mask: Array) -> dict[str, Array]:
+def _moments(prefix: str, x: Array, mask: Array, *, unbiased: bool = False) -> dict[str, Array]:
+    """Masked mean and std; `unbiased` divides by n - 1 (as `masked_whiten`), else by n."""
     n = jnp.maximum(mask.sum(), 1)
     x = jnp.where(mask, x, 0.0)
     mean = x.sum() / n
-    var = jnp.where(mask, (x - mean) ** 2, 0.0).sum() / n
+    dof = jnp.maximum(n - 1, 1) if unbiased else n
+    var = jnp.where(mask, (x - mean) ** 2, 0.0).sum() / dof
     return {f"{prefix}_mean": mean, f"{prefix}_std": jnp.sqrt(var)}
 
 

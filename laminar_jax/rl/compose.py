@@ -64,6 +64,12 @@ def _surrogate(spec: LossSpec, learner_logp, old_logp, advantages, mask, seg_kw)
         return losses.cispo(learner_logp, old_logp, advantages, mask, **eps)
     if s.kind == "gmpo":
         return losses.gmpo(learner_logp, old_logp, advantages, mask, **eps, **seg_kw)
+    if s.kind == "sapo":
+        return losses.sapo(learner_logp, old_logp, advantages, mask, tau_pos=s.sapo_tau_pos,
+                           tau_neg=s.sapo_tau_neg)
+    if s.kind == "dppo":
+        return losses.dppo(learner_logp, old_logp, advantages, mask, **eps,
+                           dual_clip_c=s.dual_clip_c)
     return losses.reinforce(learner_logp, advantages, mask)
 
 
@@ -73,8 +79,9 @@ def make_loss(spec: LossSpec) -> LossFn:
     max_segments=None) -> (loss, metrics)`.
 
     learner_logp `[B, T]` is the only differentiable input. prox_logp is required when
-    `spec.needs_prox`, ref_logp when `spec.needs_ref`, entropy (per-token, from
-    `kl.entropy_from_logits`) when `spec.needs_entropy`. staleness: `[B]` or `[B, T]` versions
+    `spec.needs_prox`, ref_logp when `spec.needs_ref`, entropy (per-token, from the learner's
+    log-prob pass or `kl.entropy_from_logits`) when `spec.entropy_coef != 0`; without it the
+    `entropy` metric is NaN (not measured). staleness: `[B]` or `[B, T]` versions
     of lag (None = 0). normaliser: the step's global normaliser (`loss_normaliser` shares summed);
     None uses this batch alone. segment_ids `[B, T]` for packed rows (contiguous segments, 0 =
     padding; ids above the static `max_segments`, default T, are merged). Metrics keys are
@@ -97,8 +104,8 @@ def make_loss(spec: LossSpec) -> LossFn:
             check_token_array("prox_logp (spec.needs_prox)", prox_logp, shape, where)
         if spec.needs_ref:
             check_token_array("ref_logp (spec.needs_ref)", ref_logp, shape, where)
-        if spec.needs_entropy:
-            check_token_array("entropy (spec.needs_entropy)", entropy, shape, where)
+        if spec.entropy_coef != 0:
+            check_token_array("entropy (spec.entropy_coef != 0)", entropy, shape, where)
         if segment_ids is not None:
             check_token_array("segment_ids", segment_ids, shape, where)
             if staleness is not None and jnp.ndim(staleness) != 2:
@@ -122,7 +129,7 @@ def make_loss(spec: LossSpec) -> LossFn:
                   "denominator_mask": m if agg.rejected_in_denominator else loss_mask, **seg_kw}
         pg_loss = aggregate(weight * token_loss, loss_mask, **agg_kw)
         zero = jnp.zeros((), jnp.float32)
-        kl_loss, kl_ref, ent = zero, zero, zero
+        kl_loss, kl_ref, ent = zero, zero, jnp.full((), jnp.nan, jnp.float32)
         # given but unused (coef 0) inputs still feed the metrics
         if ref_logp is not None:
             check_token_array("ref_logp", ref_logp, shape, where)
@@ -132,12 +139,15 @@ def make_loss(spec: LossSpec) -> LossFn:
         if entropy is not None:
             check_token_array("entropy", entropy, shape, where)
             ent = aggregate(masked(entropy, loss_mask), loss_mask, **agg_kw)
-        total = pg_loss + kl_loss - spec.entropy_coef * ent
+        total = pg_loss + kl_loss
+        if entropy is not None and spec.entropy_coef != 0:
+            total = total - spec.entropy_coef * ent
 
         metrics = loss_metrics(
             mask=m, keep=keep, weight=weight, is_weight_raw=aux["is_weight_raw"],
             learner_logp=learner_logp, old_logp=old, behaviour_logp=behaviour_logp,
-            clip_aux=clip_aux, staleness=k_tok, view=view, staleness_bins=spec.staleness_bins)
+            clip_aux=clip_aux, staleness=k_tok, view=view, staleness_bins=spec.staleness_bins,
+            is_clipped=aux["is_clipped"])
         sg = jax.lax.stop_gradient
         metrics.update(loss=sg(total), pg_loss=sg(pg_loss), kl_loss=sg(kl_loss),
                        kl_ref=sg(kl_ref), entropy=sg(ent))

@@ -25,11 +25,12 @@ from laminar_jax.rl.staleness import staleness_decay_weights, staleness_keep
 
 
 def old_logp_for(spec: CorrectionSpec, *, behaviour_logp, prox_logp):
-    """The PPO anchor log-probs the spec selects (constant)."""
-    if spec.old == "prox":
+    """The PPO anchor log-probs the spec selects (constant). 'prox' and 'ewma' both read
+    `prox_logp`: the learner recomputes it with its current weights or with their EWMA."""
+    if spec.old in ("prox", "ewma"):
         if prox_logp is None:
-            raise ValueError("rl.corrections: prox_logp is None but correction.old='prox' needs "
-                             "the trainer's recompute (LossSpec.needs_prox)")
+            raise ValueError(f"rl.corrections: prox_logp is None but correction.old="
+                             f"{spec.old!r} needs the trainer's recompute (LossSpec.needs_prox)")
         return jax.lax.stop_gradient(prox_logp)
     return jax.lax.stop_gradient(behaviour_logp)
 
@@ -43,7 +44,8 @@ def apply_corrections(spec: CorrectionSpec, *, learner_logp: chex.Array,
     `mask` is the 0/1 loss mask, `staleness` per-token float (`staleness.staleness_per_token`),
     `view` the sequence view of the batch. `aux` holds `log_rho` (the behaviour log-ratio the
     weights and masks are built from) and `is_weight_raw` (the untruncated IS weight, 1 when
-    `is_level` is 'none').
+    `is_level` is 'none') and `is_clipped` (1 where the TIS truncation or the IS mask changed
+    the weight: raw weight outside [is_min, is_max]; 0 when `is_level` is 'none').
     """
     mask = as_mask(mask)
     # bypass: the ratio to mu comes from the (detached) learner, not from a recompute
@@ -53,11 +55,14 @@ def apply_corrections(spec: CorrectionSpec, *, learner_logp: chex.Array,
     log_rho = behaviour_log_ratio(old, behaviour_logp, mask)
     ones = jnp.ones_like(mask)
     weight, keep, raw = ones, ones, ones
+    is_clipped = jnp.zeros_like(mask)
 
     if spec.is_level != "none":
         w, raw = importance_weights(log_rho, mask, view, level=spec.is_level, mode=spec.is_mode,
                                     is_min=spec.is_min, is_max=spec.is_max)
         weight = weight * w
+        hi = jnp.inf if spec.is_max is None else spec.is_max
+        is_clipped = jnp.where((mask > 0) & ((raw < spec.is_min) | (raw > hi)), 1.0, 0.0)
     if spec.vtrace:
         weight = weight * vtrace_weights(log_rho, mask, view, rho_bar=spec.vtrace_rho_bar,
                                          c_bar=spec.vtrace_c_bar)
@@ -77,5 +82,6 @@ def apply_corrections(spec: CorrectionSpec, *, learner_logp: chex.Array,
     if spec.max_staleness is not None:
         keep = keep * staleness_keep(staleness, mask, max_staleness=spec.max_staleness)
 
-    aux = {"log_rho": log_rho, "is_weight_raw": raw}
+    aux = {"log_rho": log_rho, "is_weight_raw": raw,
+           "is_clipped": jax.lax.stop_gradient(is_clipped)}
     return jax.lax.stop_gradient(weight), jax.lax.stop_gradient(keep), aux

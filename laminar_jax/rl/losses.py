@@ -8,6 +8,12 @@ Aggregate `token_loss` with `laminar_jax.rl.aggregation.aggregate`. Masked posit
 Notation: l = learner_logp (the only differentiable input), l_old = old_logp (the PPO anchor),
 d = l - l_old (fp32, clamped to +-20, 0 at padding), r = exp(d), A = advantages.
 Sequence-level surrogates use the masked sequence mean of A as the sequence advantage A_i.
+
+The value returned is the value differentiated: `jax.grad` of the logged loss is the gradient
+the update takes (CISPO and REINFORCE log -sg(w) A l, as verl and slime do). Every `exp` takes a
+clamped log-ratio, and masked positions are replaced (`where`) before any arithmetic, so neither
+the value nor the gradient can meet inf (no 0 * inf = NaN); where the clamp binds (|d| > 20) the
+gradient of the clamped expression is 0.
 """
 from __future__ import annotations
 
@@ -86,7 +92,7 @@ def gspo(learner_logp, old_logp, advantages, mask, *, eps_low: float = 3e-4,
     """
     m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
     view, seq_d, seq_adv = _sequence_log_ratio(d, adv, m, segment_ids, max_segments)
-    loss_i, low_i, high_i = _clipped_objective(jnp.exp(seq_d), seq_adv, 1.0, eps_low, eps_high)
+    loss_i, low_i, high_i = _clipped_objective(safe_exp(seq_d), seq_adv, 1.0, eps_low, eps_high)
     low, high = seq_gather(low_i, view) & (m > 0), seq_gather(high_i, view) & (m > 0)
     return masked(seq_gather(loss_i, view), m), _aux(low, high, like=m)
 
@@ -110,16 +116,14 @@ def cispo(learner_logp, old_logp, advantages, mask, *, eps_low: float = 1.0,
           eps_high: float = 0.28):
     """CISPO (MiniMax-M1, arXiv 2506.13585): clipped IS weight, every token keeps its gradient.
 
-    r_hat = clip(r, 1 - eps_low, 1 + eps_high); the paper's L = -sg(r_hat) A l. Here the value is
-    written L = -sg(r_hat) A exp(l - sg(l)): the same gradient (-r_hat A) and a value (-r_hat A)
-    that does not depend on the absolute log-prob, so it compares with the other surrogates.
-    eps_low >= 1 disables the lower bound (the paper's setting); TRL's absolute cap min(r, C) is
-    eps_low >= 1, eps_high = C - 1.
+    r_hat = clip(r, 1 - eps_low, 1 + eps_high); L = -sg(r_hat) A l, the paper's loss: its value
+    is the one differentiated (gradient -r_hat A). eps_low >= 1 disables the lower bound (the
+    paper's setting); TRL's absolute cap min(r, C) is eps_low >= 1, eps_high = C - 1.
     """
     m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
     r = jax.lax.stop_gradient(safe_exp(d))
     r_hat = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high)
-    loss = -adv * r_hat * jnp.exp(d - jax.lax.stop_gradient(d))
+    loss = -adv * r_hat * masked(learner_logp, m)
     low, high = (m > 0) & (r < 1.0 - eps_low), (m > 0) & (r > 1.0 + eps_high)
     return masked(loss, m), _aux(low, high, like=m)
 
@@ -143,13 +147,52 @@ def gmpo(learner_logp, old_logp, advantages, mask, *, eps_low: float = 0.4,
     return masked(seq_gather(loss_i, view), m), _aux(low, high, like=m)
 
 
-def reinforce(learner_logp, advantages, mask):
-    """REINFORCE: L = -A l (gradient -A), written as -A exp(l - sg(l)) so the value is -A.
+def sapo(learner_logp, old_logp, advantages, mask, *, tau_pos: float = 1.0,
+         tau_neg: float = 1.05):
+    """SAPO, soft adaptive policy optimisation (Gao et al., Qwen, arXiv 2511.20347).
 
-    With an IS weight from `corrections` this is verl's bypass `reinforce` loss and, with TOPR
-    weights, TOPR (arXiv 2503.14286).
+    L = -f(r) A with the soft gate f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos if A > 0
+    else tau_neg. dL/dl = -A r 4 s (1 - s), s = sigmoid(tau (r - 1)): equal to PPO's -A r at
+    r = 1 and decaying smoothly away from it instead of a hard clip. The paper aggregates with
+    'seq-mean-token-mean'. No clip indicator applies (all 0).
+    """
+    m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
+    tau = jnp.where(adv > 0, tau_pos, tau_neg)
+    loss = -adv * (4.0 / tau) * jax.nn.sigmoid(tau * (safe_exp(d) - 1.0))
+    return masked(loss, m), _aux(like=m)
+
+
+def dppo(learner_logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
+         eps_high: float = 0.2, dual_clip_c: float | None = None):
+    """DPPO binary-TV trust region (arXiv 2602.04879; verl `dppo_tv`, prime-rl's default loss).
+
+    The ratio clip is replaced by a mask on the probability difference p - p_old (p = exp(l)):
+      v = 0 if (A > 0 and p - p_old > eps_high) or (A < 0 and p - p_old < -eps_low), else 1,
+      L = -sg(v) A r            (dL/dl = -v A r).
+    A token with A < 0 whose probability went up keeps its uncapped ratio (corrections.md
+    section 10.5); `dual_clip_c` caps it as in dual-clip PPO: for A < 0, L = min(L, c |A|).
+    With old = behaviour this is prime-rl's form (ratios against mu).
+    """
+    m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
+    sg = jax.lax.stop_gradient
+    dp = sg(jnp.exp(masked(learner_logp, m)) - jnp.exp(masked(old_logp, m)))
+    high = (m > 0) & (adv > 0) & (dp > eps_high)
+    low = (m > 0) & (adv < 0) & (dp < -eps_low)
+    loss = jnp.where(high | low, 0.0, -adv * safe_exp(d))
+    dual = None
+    if dual_clip_c is not None:
+        cap = -adv * dual_clip_c
+        dual = (m > 0) & (adv < 0) & (loss > cap)
+        loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
+    return masked(loss, m), _aux(low, high, dual, like=m)
+
+
+def reinforce(learner_logp, advantages, mask):
+    """REINFORCE: L = -A l (gradient -A); the value is the one differentiated.
+
+    With an IS weight from `corrections` this is verl's bypass `reinforce` loss,
+    -sg(w) A l, and, with TOPR weights, TOPR (arXiv 2503.14286).
     """
     m, adv, _ = _prepare(learner_logp, None, advantages, mask)
-    logp = masked(learner_logp, m)
-    loss = -adv * jnp.exp(logp - jax.lax.stop_gradient(logp))
+    loss = -adv * masked(learner_logp, m)
     return masked(loss, m), _aux(like=m)

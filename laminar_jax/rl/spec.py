@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-SURROGATES = ("ppo", "gspo", "gspo_token", "cispo", "gmpo", "reinforce")
+SURROGATES = ("ppo", "gspo", "gspo_token", "cispo", "gmpo", "sapo", "dppo", "reinforce")
 # Surrogates whose value contains the ratio learner / old: an extra pi/mu weight in bypass mode
 # would count the behaviour correction twice (verl applies no IS weight in bypass + ppo_clip).
-RATIO_SURROGATES = ("ppo", "gspo", "gspo_token", "cispo", "gmpo")
+RATIO_SURROGATES = ("ppo", "gspo", "gspo_token", "cispo", "gmpo", "sapo", "dppo")
+# Ways to get the PPO anchor (CorrectionSpec.old).
+OLD_POLICIES = ("behaviour", "prox", "ewma")
 AGGREGATIONS = (
     "token-mean",
     "seq-mean-token-sum",
@@ -75,16 +77,22 @@ class SurrogateSpec:
     """Per-token policy surrogate.
 
     kind: "ppo" (clip / clip-higher, plus dual-clip when dual_clip_c is set), "gspo" (sequence
-    ratio), "gspo_token", "cispo", "gmpo" (eps are log-ratio bounds there), "reinforce".
+    ratio), "gspo_token", "cispo", "gmpo" (eps are log-ratio bounds there), "sapo" (soft gate,
+    eps unused), "dppo" (eps are probability-difference bounds, dual_clip_c caps A < 0),
+    "reinforce".
     eps_low / eps_high: clip range [1 - eps_low, 1 + eps_high] of the ratio (GMPO: [-eps_low,
-    eps_high] of the log-ratio). CISPO with eps_low >= 1 has no lower bound, and TRL's absolute
-    cap `min(r, C)` is eps_low >= 1, eps_high = C - 1.
+    eps_high] of the log-ratio; DPPO: bounds on p - p_old). CISPO with eps_low >= 1 has no lower
+    bound, and TRL's absolute cap `min(r, C)` is eps_low >= 1, eps_high = C - 1.
+    sapo_tau_pos / sapo_tau_neg: SAPO's gate temperatures for A > 0 / A <= 0 (arXiv 2511.20347).
     """
 
-    kind: Literal["ppo", "gspo", "gspo_token", "cispo", "gmpo", "reinforce"] = "ppo"
+    kind: Literal["ppo", "gspo", "gspo_token", "cispo", "gmpo", "sapo", "dppo",
+                  "reinforce"] = "ppo"
     eps_low: float = 0.2
     eps_high: float = 0.28
     dual_clip_c: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
     def __post_init__(self):
         s = "SurrogateSpec"
@@ -96,8 +104,11 @@ class SurrogateSpec:
         if self.dual_clip_c is not None:
             _check(_finite(self.dual_clip_c) and self.dual_clip_c > 1, s, "dual_clip_c",
                    self.dual_clip_c, "None (off) or a finite float > 1 (dual-clip PPO)")
-            _check(self.kind == "ppo", s, "dual_clip_c", self.dual_clip_c,
-                   f"None unless kind == 'ppo' (kind is {self.kind!r})")
+            _check(self.kind in ("ppo", "dppo"), s, "dual_clip_c", self.dual_clip_c,
+                   f"None unless kind is 'ppo' or 'dppo' (kind is {self.kind!r})")
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            _check(_finite(getattr(self, name)) and getattr(self, name) > 0, s, name,
+                   getattr(self, name), "a finite float > 0")
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,10 @@ class CorrectionSpec:
     """Off-policy and staleness corrections; each option multiplies a detached weight or a mask.
 
     old: the PPO anchor. "behaviour" = bypass (engine log-probs, no recompute); "prox" = the
-    trainer's recompute at consumption time (decoupled PPO when a behaviour weight is added).
+    trainer's recompute at consumption time (decoupled PPO when a behaviour weight is added);
+    "ewma" = the recompute with an EWMA of the learner's weights, theta_ewma <- ewma_decay *
+    theta_ewma + (1 - ewma_decay) * theta after every optimizer update (PPO-EWMA, Hilton et al.
+    arXiv 2110.00641; the proximal policy of arXiv 2605.12070). ewma_decay: that beta.
     The behaviour log-ratio lambda = log(old / mu) ("prox") or log(sg(learner) / mu) ("behaviour").
     is_level: importance weight from lambda: "token" exp(lambda_t), "sequence" exp(sum lambda),
     "geometric" exp(mean lambda). is_mode: "truncate" clip(w, is_min, is_max) (TIS) or "mask"
@@ -118,7 +132,8 @@ class CorrectionSpec:
     (a new ablation, no published source).
     """
 
-    old: Literal["behaviour", "prox"] = "prox"
+    old: Literal["behaviour", "prox", "ewma"] = "prox"
+    ewma_decay: float = 0.9
     is_level: Literal["none", "token", "sequence", "geometric"] = "none"
     is_mode: Literal["truncate", "mask"] = "truncate"
     is_min: float = 0.0
@@ -138,7 +153,9 @@ class CorrectionSpec:
     def __post_init__(self):
         s = "CorrectionSpec"
         levels = ("none", "token", "sequence", "geometric")
-        _check(self.old in ("behaviour", "prox"), s, "old", self.old, "'behaviour' or 'prox'")
+        _check(self.old in OLD_POLICIES, s, "old", self.old, f"one of {OLD_POLICIES}")
+        _check(_finite(self.ewma_decay) and 0 <= self.ewma_decay < 1, s, "ewma_decay",
+               self.ewma_decay, "a float in [0, 1) (0 = the current weights, as 'prox')")
         _check(self.is_level in levels, s, "is_level", self.is_level, f"one of {levels}")
         _check(self.is_mode in ("truncate", "mask"), s, "is_mode", self.is_mode,
                "'truncate' or 'mask'")
@@ -227,6 +244,9 @@ class LossSpec:
 
     total = agg(keep * w * surrogate) + kl.coef * agg(k(learner, ref)) - entropy_coef * agg(H).
     staleness_bins: number of bins of the staleness histogram metric (last bin = ">= bins - 1").
+    log_entropy: compute the per-token entropy in the learner's chunked log-prob pass even when
+    entropy_coef is 0, for the `entropy` metric (cost: experiments/entropy_cost.py); when False
+    and entropy_coef is 0 the metric is NaN (not measured), never a made-up 0.
     """
 
     surrogate: SurrogateSpec = field(default_factory=SurrogateSpec)
@@ -235,6 +255,7 @@ class LossSpec:
     kl: KLSpec = field(default_factory=KLSpec)
     entropy_coef: float = 0.0
     staleness_bins: int = 8
+    log_entropy: bool = True
 
     def __post_init__(self):
         s = "LossSpec"
@@ -243,6 +264,7 @@ class LossSpec:
             _check(isinstance(getattr(self, name), cls), s, name, getattr(self, name),
                    f"a {cls.__name__}")
         _check(_finite(self.entropy_coef), s, "entropy_coef", self.entropy_coef, "a finite float")
+        _check(isinstance(self.log_entropy, bool), s, "log_entropy", self.log_entropy, "a bool")
         _check(isinstance(self.staleness_bins, int) and not isinstance(self.staleness_bins, bool)
                and self.staleness_bins >= 1, s, "staleness_bins", self.staleness_bins,
                "an int >= 1")
@@ -259,8 +281,14 @@ class LossSpec:
 
     @property
     def needs_prox(self) -> bool:
-        """The learner must recompute `prox_logp` before the update."""
-        return self.correction.old == "prox"
+        """The learner must recompute `prox_logp` before the update (with the current weights,
+        or with their EWMA when `needs_ewma`)."""
+        return self.correction.old in ("prox", "ewma")
+
+    @property
+    def needs_ewma(self) -> bool:
+        """The learner must keep an EWMA of its weights (decay `correction.ewma_decay`)."""
+        return self.correction.old == "ewma"
 
     @property
     def needs_ref(self) -> bool:
@@ -270,4 +298,4 @@ class LossSpec:
     @property
     def needs_entropy(self) -> bool:
         """The learner must pass per-token `entropy` of the learner policy (from the logits)."""
-        return self.entropy_coef != 0
+        return self.entropy_coef != 0 or self.log_entropy

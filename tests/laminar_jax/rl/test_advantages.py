@@ -72,9 +72,13 @@ def test_discounted_returns_kl_and_mask_hole():
 def test_reinforce_pp_gamma_one_closed_form():
     # Every token's return is R: tokens [1, 1 | 0, 0, 0], mean 0.4, unbiased var 0.3.
     mask = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
-    adv, _ = A.reinforce_pp_advantages(jnp.array([1.0, 0.0]), mask)
+    adv, m = A.reinforce_pp_advantages(jnp.array([1.0, 0.0]), mask)
     s = np.sqrt(0.3 + 1e-8)
     np.testing.assert_allclose(adv, [[0.6 / s, 0.6 / s, 0.0], [-0.4 / s] * 3], rtol=1e-5)
+    # the logged spread is the one the whitening divides by (unbiased, not population 0.24)
+    np.testing.assert_allclose(m["return_std"], np.sqrt(0.3), rtol=1e-6)
+    np.testing.assert_allclose(adv[0, 0], 0.6 / np.sqrt(float(m["return_std"]) ** 2 + 1e-8),
+                               rtol=1e-6)
 
 
 def test_reinforce_pp_baseline_closed_form():

@@ -24,6 +24,8 @@ SURROGATES = {
     "gspo_token": SurrogateSpec(kind="gspo_token", eps_low=3e-4, eps_high=4e-4),
     "cispo": SurrogateSpec(kind="cispo", eps_low=1.0, eps_high=0.28),
     "gmpo": SurrogateSpec(kind="gmpo", eps_low=0.4, eps_high=0.4),
+    "sapo": SurrogateSpec(kind="sapo"),
+    "dppo": SurrogateSpec(kind="dppo", eps_low=0.2, eps_high=0.2),
     "reinforce": SurrogateSpec(kind="reinforce"),
 }
 ALL_ON = CorrectionSpec(is_level="sequence", is_max=2.0, reject_level="geometric",
@@ -113,6 +115,13 @@ def test_equal_policies_make_every_loss_plain_ppo(surrogate, correction):
         _BASELINE[mode] = _run(_spec(mode=mode), batch)
     loss, metrics, grad = _run(_spec(surrogate, correction, mode), batch)
     base_loss, base_metrics, base_grad = _BASELINE[mode]
+    # the logged loss is the value differentiated: -A l for CISPO / REINFORCE (gradient -A, as
+    # PPO's at r = 1), -(4 / tau) sigmoid(0) A = -(2 / tau) A for SAPO
+    lp, adv, m = (np.asarray(batch[k], np.float64) for k in ("learner_logp", "advantages", "mask"))
+    if surrogate in ("cispo", "reinforce"):
+        base_loss = (m * -adv * lp).sum() / m.sum()
+    elif surrogate == "sapo":
+        base_loss = (m * -adv * 2.0 / np.where(adv > 0, 1.0, 1.05)).sum() / m.sum()
     np.testing.assert_allclose(loss, base_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(grad, base_grad, rtol=1e-5, atol=1e-7)
     # every correction is the identity
@@ -149,7 +158,8 @@ def test_weights_built_from_the_learner_carry_no_gradient():
                       ("learner_logp", "behaviour_logp", "advantages", "mask"))
     w = np.minimum(np.exp(lp - mu), 1.5)
     np.testing.assert_allclose(grad, -w * adv * m / m.sum(), rtol=1e-4, atol=1e-8)
-    np.testing.assert_allclose(loss, (-w * adv * m).sum() / m.sum(), rtol=1e-5)
+    # the logged value is the one differentiated: -sg(w) A l (verl's bypass reinforce loss)
+    np.testing.assert_allclose(loss, (-w * adv * lp * m).sum() / m.sum(), rtol=1e-5)
 
 
 def test_cispo_gradient_flows_only_through_learner_logp():

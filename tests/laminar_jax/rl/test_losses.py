@@ -108,10 +108,12 @@ def test_cispo_never_zeroes_a_gradient():
     old = _row([-1.0, -1.0, -1.0])
     learner = _row([-1.0 + L(r) for r in ratio])
     mask = _row([1, 1, 1])
-    # paper form (no lower bound): r_hat = min(r, 1.28); value -r_hat A, gradient -r_hat A
+    # paper form (no lower bound): r_hat = min(r, 1.28); value -sg(r_hat) A l (the value that is
+    # differentiated), gradient -r_hat A
     tok, aux, g = _sum_value_and_grad(losses.cispo, learner, old, adv, mask,
                                       eps_low=1.0, eps_high=0.28)
-    np.testing.assert_allclose(tok[0], [-1.28, 1.0, -1.1], rtol=1e-6)
+    lp = np.asarray(learner[0])
+    np.testing.assert_allclose(tok[0], [-1.28 * lp[0], 1.0 * lp[1], -1.1 * lp[2]], rtol=1e-6)
     np.testing.assert_allclose(g[0], [-1.28, 1.0, -1.1], rtol=1e-6)
     np.testing.assert_array_equal(aux["clipped_high"][0], [1, 0, 0])
     # verl form: relative lower bound 0.8 -> r_hat = 0.8 for r = 0.5
@@ -144,7 +146,8 @@ def test_gmpo_geometric_mean_closed_form():
 def test_reinforce_value_and_gradient():
     tok, aux, g = _sum_value_and_grad(losses.reinforce, _row([-3.0, -0.5, 1e30]),
                                       _row([2.0, -1.0, 5.0]), _row([1, 1, 0]))
-    np.testing.assert_allclose(tok[0], [-2.0, 1.0, 0.0])
+    # value -A l (the value differentiated), gradient -A
+    np.testing.assert_allclose(tok[0], [6.0, -0.5, 0.0])
     np.testing.assert_allclose(g[0], [-2.0, 1.0, 0.0])
     assert all(float(np.sum(v)) == 0.0 for v in aux.values())
 

@@ -16,7 +16,9 @@ def test_defaults_are_the_papers_objective():
     assert AdvantageSpec().estimator == "grpo"
     c = s.correction
     assert c.old == "prox" and not c.has_behaviour_weight and c.reject_level == "none"
-    assert s.needs_prox and not s.needs_ref and not s.needs_entropy
+    # the entropy metric is measured by default (log_entropy), no entropy term in the loss
+    assert s.needs_prox and not s.needs_ref and s.needs_entropy and s.log_entropy
+    assert not LossSpec(log_entropy=False).needs_entropy
     assert s.kl.coef == 0.0 and s.entropy_coef == 0.0
 
 
@@ -34,7 +36,11 @@ def test_needs_flags():
     (lambda: SurrogateSpec(kind="trpo"), r"SurrogateSpec\.kind='trpo'"),
     (lambda: SurrogateSpec(eps_high=-0.1), "eps_high=-0.1"),
     (lambda: SurrogateSpec(dual_clip_c=1.0), "dual_clip_c=1.0: expected None"),
-    (lambda: SurrogateSpec(kind="cispo", dual_clip_c=3.0), "unless kind == 'ppo'"),
+    (lambda: SurrogateSpec(kind="cispo", dual_clip_c=3.0), "unless kind is 'ppo' or 'dppo'"),
+        (lambda: SurrogateSpec(kind="sapo", sapo_tau_neg=0.0), "sapo_tau_neg=0.0"),
+        (lambda: CorrectionSpec(old="ewma", ewma_decay=1.0), "ewma_decay=1.0"),
+        (lambda: CorrectionSpec(old="exact"), "old='exact'"),
+        (lambda: LossSpec(log_entropy=1), "log_entropy=1"),
     (lambda: CorrectionSpec(old="ref"), r"CorrectionSpec\.old='ref'"),
     (lambda: CorrectionSpec(is_level="tokens"), "is_level='tokens'"),
     (lambda: CorrectionSpec(is_min=2.0, is_max=1.0), "is_max=1.0"),
