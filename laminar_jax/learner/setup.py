@@ -13,6 +13,7 @@ from laminar_jax.learner import train_state as ts
 from laminar_jax.learner.optim import optimizer_from_config
 from laminar_jax.models.config import DecoderConfig
 from laminar_jax.models.decoder import Decoder
+from laminar_jax.rl.ewma import ewma_tracker
 
 
 class LearnerSetup(NamedTuple):
@@ -48,5 +49,8 @@ def build(cfg: Any, *, total_steps: int, lr: float | None = None,
     params = (ts.init_params(sharded, init_fn) if host_params is None
               else ts.place_params(sharded, host_params, what=cfg.model.hf_path))
     tx, schedule = optimizer_from_config(cfg.optimizer, total_steps=total_steps, lr=lr)
+    loss = getattr(cfg, "loss", None)
+    if loss is not None and loss.needs_ewma:  # PPO-EWMA anchor: the average rides in opt_state
+        tx = optax.chain(tx, ewma_tracker(loss.correction.ewma_decay))
     state, shardings = ts.init_train_state(sharded, params, tx)
     return LearnerSetup(dcfg, mesh, sharded, tx, schedule, state, shardings)

@@ -50,6 +50,42 @@ def loss_normaliser(spec: LossSpec, mask: chex.Array, *, segment_ids: chex.Array
                             segment_ids=segment_ids, max_segments=max_segments)
 
 
+def keep_needs_learner(spec: LossSpec) -> bool:
+    """The keep mask reads the learner's log-probs: OPSM always, and in bypass mode (where the
+    behaviour log-ratio is sg(learner) - mu) rejection and M2PO."""
+    c = spec.correction
+    bypass_masks = c.reject_level != "none" or c.m2po_tau is not None
+    return c.opsm_delta is not None or (c.old == "behaviour" and bypass_masks)
+
+
+def kept_mask(spec: LossSpec, *, mask: chex.Array, behaviour_logp: chex.Array,
+              advantages: chex.Array, learner_logp: chex.Array | None = None,
+              prox_logp: chex.Array | None = None, staleness: chex.Array | None = None,
+              segment_ids: chex.Array | None = None,
+              max_segments: int | None = None) -> jax.Array:
+    """`mask * keep` of the correction stage, as the loss will compute it: pass it as
+    `keep_mask=` to `loss_normaliser` when `aggregation.rejected_in_denominator` is False.
+
+    `learner_logp` (the current weights' log-probs, before the update) is needed only when
+    `keep_needs_learner(spec)`; otherwise any array works and `prox_logp` is used for it.
+    """
+    m = as_mask(mask, segment_ids)
+    if learner_logp is None:
+        if keep_needs_learner(spec):
+            raise ValueError("rl.compose.kept_mask: learner_logp is None but the keep mask of "
+                             "this correction reads the learner (OPSM, or bypass rejection/M2PO)")
+        learner_logp = behaviour_logp if prox_logp is None else prox_logp
+    if spec.needs_prox and prox_logp is None:
+        raise ValueError(f"rl.compose.kept_mask: prox_logp is None but correction.old="
+                         f"{spec.correction.old!r} needs it")
+    view = seq_view(m, segment_ids, max_segments)
+    _, keep, _ = apply_corrections(
+        spec.correction, learner_logp=learner_logp, behaviour_logp=behaviour_logp,
+        prox_logp=prox_logp, advantages=jax.lax.stop_gradient(masked(advantages, m)), mask=m,
+        staleness=staleness_per_token(staleness, m), view=view)
+    return m * keep
+
+
 def _surrogate(spec: LossSpec, learner_logp, old_logp, advantages, mask, seg_kw):
     s = spec.surrogate
     eps = {"eps_low": s.eps_low, "eps_high": s.eps_high}

@@ -105,12 +105,12 @@ class Learner:
         batch = B.assemble(groups, learner_version=self.version, max_seq_len=max_len, min_len=min(64, max_len))
         batch["advantages"], metrics = self.fns.advantages(batch, len(groups))
         if self.fns.needs_prox:
-            batch["prox_logp"] = self.fns.logprobs(self.state.params, batch)
+            batch["prox_logp"] = self.fns.logprobs(self.fns.prox_params(self.state), batch)
         if self.fns.needs_ref:
             batch["ref_logp"] = self.fns.logprobs(self.ref_params, batch)
         steps = []
         for mb in B.split(batch, mini_batches):
-            inputs = self._shd.shard_batch(rl_step.train_inputs(self.cfg, mb), self.setup.mesh)
+            inputs = self._shd.shard_batch(self.fns.inputs(self.state.params, mb), self.setup.mesh)
             try:
                 self.state, m = self.fns.train(self.state, inputs)
             except NonFiniteLossError as e:

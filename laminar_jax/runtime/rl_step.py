@@ -1,13 +1,18 @@
 """The RL learner's jitted pieces, built once from the config: advantages, log-probs, train step.
 
     adv, adv_metrics = fns.advantages(batch, num_groups)       # AdvantageSpec, per group
-    prox_logp        = fns.logprobs(params, batch)              # when LossSpec.needs_prox
-    state, metrics   = fns.train(state, mini_batch)             # one optimizer update
+    prox_logp        = fns.logprobs(fns.prox_params(state), batch)   # when LossSpec.needs_prox
+    inputs           = fns.inputs(state.params, mini_batch)     # loss arrays + normaliser
+    state, metrics   = fns.train(state, inputs)                 # one optimizer update
 
 The train step's loss is `rl.compose.make_loss(cfg.loss)` applied to the learner's per-token
 log-probs of the response tokens (`learner.logprobs.sequence_logprobs`), normalised by the
 mini-batch's `rl.compose.loss_normaliser` so gradient accumulation over micro-batches gives the
-big-batch gradient (`learner.train_step`).
+big-batch gradient (`learner.train_step`). With `loss.aggregation.rejected_in_denominator=False`
+that normaliser counts only the tokens the correction stage keeps (`rl.compose.kept_mask`, from
+a log-prob pass of the current weights when the mask reads the learner). With
+`loss.correction.old: ewma` the proximal log-probs come from the EWMA of the weights that the
+optimizer keeps (`learner.optim.ewma_params`).
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ from laminar_jax import sharding as shd
 from laminar_jax.learner import logprobs as lp
 from laminar_jax.learner.train_step import TrainStep
 from laminar_jax.rl.advantages import advantages_from_spec
-from laminar_jax.rl.compose import loss_normaliser, make_loss
+from laminar_jax.rl.ewma import ewma_params
+from laminar_jax.rl.compose import keep_needs_learner, kept_mask, loss_normaliser, make_loss
 
 TRAIN_KEYS = ("tokens", "positions", "segment_ids", "response_mask", "behaviour_logp", "staleness",
               "advantages")
@@ -34,6 +40,8 @@ class LearnerFns(NamedTuple):
     train: TrainStep
     needs_prox: bool
     needs_ref: bool
+    inputs: Any = None       # (params, mini-batch) -> the train step's inputs
+    prox_params: Any = None  # state -> the weights prox_logp is recomputed with
 
 
 def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
@@ -78,14 +86,31 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
                                      ("tokens", "positions", "segment_ids", "response_mask")))
         return np.asarray(logp, np.float32)
 
-    return LearnerFns(adv_fn, logprobs, train, spec.needs_prox or cfg.learner.recompute_prox, spec.needs_ref)
+    kept_jit = jax.jit(partial(kept_mask, spec))
+
+    def inputs(params, mb):
+        keep = None
+        if not spec.aggregation.rejected_in_denominator:
+            learner = logprobs(params, mb) if keep_needs_learner(spec) else None
+            keep = kept_jit(mask=mb["response_mask"], behaviour_logp=mb["behaviour_logp"],
+                            advantages=mb["advantages"], learner_logp=learner,
+                            prox_logp=mb.get("prox_logp"), staleness=mb["staleness"])
+        return train_inputs(cfg, mb, keep_mask=keep)
+
+    def prox_params(state):
+        return ewma_params(state.opt_state) if spec.needs_ewma else state.params
+
+    return LearnerFns(adv_fn, logprobs, train, spec.needs_prox or cfg.learner.recompute_prox,
+                      spec.needs_ref, inputs, prox_params)
 
 
-def train_inputs(cfg: Any, mb: dict[str, np.ndarray]) -> dict[str, Any]:
-    """The mini-batch as the train step takes it: the arrays the loss reads plus its normaliser."""
+def train_inputs(cfg: Any, mb: dict[str, np.ndarray], *, keep_mask: Any = None) -> dict[str, Any]:
+    """The mini-batch as the train step takes it: the arrays the loss reads plus its normaliser
+    (over the kept tokens `keep_mask` when rejected tokens leave the denominator)."""
     keys = TRAIN_KEYS + tuple(k for k in ("prox_logp", "ref_logp") if k in mb)
     out = {k: mb[k] for k in keys}
-    out["normaliser"] = np.float32(loss_normaliser(cfg.loss, jnp.asarray(mb["response_mask"])))
+    out["normaliser"] = np.float32(loss_normaliser(cfg.loss, jnp.asarray(mb["response_mask"]),
+                                                   keep_mask=keep_mask))
     return out
 
 
