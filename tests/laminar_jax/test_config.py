@@ -342,3 +342,20 @@ def test_an_unrelated_loss_key_keeps_the_ppo_anchor(tmp_path):
     assert cfg.loss.correction == dataclasses.replace(Config().loss.correction, is_max=3.0)
     cfg = load_config(None, ["loss.entropy_coef=0.01"])
     assert cfg.loss.correction.old == "behaviour"
+
+
+@pytest.mark.parametrize("override,check", [
+    ("loss.surrogate.kind=sapo", lambda c: c.loss.surrogate.kind == "sapo"),
+    ("loss.surrogate.sapo_tau_neg=2.0", lambda c: c.loss.surrogate.sapo_tau_neg == 2.0),
+    ("loss.surrogate.kind=dppo", lambda c: c.loss.surrogate.kind == "dppo"),
+    ("loss.correction.old=ewma", lambda c: c.loss.needs_ewma and c.loss.needs_prox),
+    ("loss.correction.ewma_decay=0.5", lambda c: c.loss.correction.ewma_decay == 0.5),
+    ("loss.log_entropy=false", lambda c: not c.loss.needs_entropy),
+])
+def test_new_loss_options_are_reachable_from_yaml(override, check, tmp_path):
+    key, value = override.split("=")
+    parts = key.split(".")
+    text = "".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(parts[:-1]))
+    text += f"{'  ' * (len(parts) - 1)}{parts[-1]}: {value}\n"
+    assert check(load_config(_write(tmp_path, text)))
+    assert check(load_config(None, [override]))
