@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 DEFAULT_CONFIG = "configs/default.yaml"
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 _OVERRIDES_HELP = "dotted overrides parsed as YAML, e.g. optimizer.lr=1e-6 mesh.data=-1"
 
@@ -153,11 +154,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `laminar` script; returns the exit code."""
     ns = build_parser().parse_args(argv)
     from laminar_jax.config_loader import ConfigError
+    from laminar_jax.rewards.health import RewardFailure
     try:
         return ns.handler(ns)
     except (_Usage, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RewardFailure as e:  # the run stopped itself: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

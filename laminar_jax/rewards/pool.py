@@ -8,7 +8,7 @@ its main thread (so Math-Verify's SIGALRM timeouts work), under
     RLIMIT_AS  = memory_mb               (an allocation beyond it is a MemoryError: "raised")
     RLIMIT_CPU = CPU used so far + cpu_s  (per call; beyond it the kernel kills the child: "crashed")
 
-and the parent waits at most `timeout_s` for the answer, then kills the child ("timeout") and
+(this module runs as `__main__` there, so answers are plain tuples) and the parent waits at most `timeout_s` for the answer, then kills the child ("timeout") and
 starts a fresh one for the next call. Frames on the child's stdin / a private copy of its stdout
 are 4-byte lengths + pickle, between this process and its own child only (nothing from a socket
 or a file); the child's fd 1 is pointed at stderr so a reward's prints cannot corrupt a frame.
@@ -84,7 +84,7 @@ class _Child:
     def call(self, args: tuple, timeout_s: float) -> Outcome:
         try:
             _write(self.proc.stdin, args)
-            return _read(self.proc.stdout.fileno(), time.monotonic() + timeout_s)
+            return Outcome(*_read(self.proc.stdout.fileno(), time.monotonic() + timeout_s))
         except (BrokenPipeError, _Dead):
             code = self.proc.wait()
             raise _Dead(_describe_exit(code)) from None
@@ -190,9 +190,9 @@ def _child_main() -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
         try:
             value, kind, message = check_value(reward(prompt, completion, row))
-            outcome = Outcome(value, kind, message or "")
+            outcome = (value, kind, message or "", "")
         except BaseException as e:  # noqa: BLE001 - everything a user reward does is reported
-            outcome = Outcome(None, "raised", f"{type(e).__name__}: {e}"[:2000], traceback.format_exc()[-4000:])
+            outcome = (None, "raised", f"{type(e).__name__}: {e}"[:2000], traceback.format_exc()[-4000:])
         try:
             _write(out, outcome)
         except BrokenPipeError:
