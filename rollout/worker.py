@@ -338,3 +338,5 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self._stop.set()
+        if hasattr(self.reward, "close"):  # the reward processes
+            self.reward.close()

@@ -98,6 +98,7 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             m.update(meter.update(stats))
             for line in watch.update(stats):  # reward failures: console, and a stop past the rate
                 say(line)
+            watch.check()
             acc = ray.get(fleet.data.accounting.remote())
             m.update({f"ledger/{k}": v for k, v in acc.items()})
             writer.log_step(step, m)

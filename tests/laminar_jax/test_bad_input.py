@@ -126,10 +126,13 @@ def world(tmp_path_factory):
     w.bad_tokenizer = write_model(d / "bad_tokenizer")
     with open(os.path.join(w.bad_tokenizer, "tokenizer.json"), "w") as f:
         f.write('{"version": "1.0", "model": 7}')
-    with socket.socket() as s:  # a port nothing listens on (bound, then closed)
-        s.bind(("127.0.0.1", 0))
-        w.closed_port = s.getsockname()[1]
-    return w
+    # A port nothing listens on: bound but never listening (so connects are refused), and held
+    # for the module so no other process can take it meanwhile.
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    w.closed_port = held.getsockname()[1]
+    yield w
+    held.close()
 
 
 def rows_at(w, path):

@@ -112,24 +112,27 @@ def test_watch_prints_each_kind_once_with_its_traceback():
 def test_watch_stops_past_max_error_rate_over_a_full_window(max_error_rate, stops):
     watch = RewardWatch(max_error_rate=max_error_rate, error_window=64)
     watch.update([health(40, 40)])  # 100% failing, but fewer than error_window outcomes yet
+    watch.check()
     stats = [health(40, 40), health(40, 20)]  # 60 of 80
     if stops:
         with pytest.raises(RewardFailure, match=r"60 of the last 80 completions failed \(75% > "
                                                 r"reward.max_error_rate=0.5; raised 60\)"):
             watch.update(stats)
+            watch.check()
     else:
         watch.update(stats)
+        watch.check()
 
 
 @pytest.mark.parametrize("error_window, stops", [(64, False), (32, True)])
 def test_error_window_is_how_many_outcomes_the_rate_needs(error_window, stops):
     watch = RewardWatch(max_error_rate=0.5, error_window=error_window)
-    stats = [health(40, 40)]
+    watch.update([health(40, 40)])
     if stops:
         with pytest.raises(RewardFailure):
-            watch.update(stats)
+            watch.check()
     else:
-        watch.update(stats)
+        watch.check()
 
 
 def test_scorer_window_keeps_the_last_error_window_outcomes():
