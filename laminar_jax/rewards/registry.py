@@ -63,8 +63,11 @@ class RewardError:
     traceback: str = ""
 
     def to_event(self) -> dict:
-        """Fields for `RunWriter.log_event("reward_error", **fields)`."""
-        return asdict(self)
+        """Fields for `RunWriter.log_event("reward_error", **fields)`; the traceback stays out (one
+        per failing completion would flood events.jsonl; the first of each kind reaches the console)."""
+        fields = asdict(self)
+        fields.pop("traceback")
+        return fields
 
 
 @dataclass(frozen=True)
@@ -233,7 +236,7 @@ class RewardScorer:
 
     # ------------------------------------------------------------------ scoring
     def _futures(self, group, completions: Sequence[str]) -> list:
-        if not isinstance(self.reward, Reward) or int(self.pool_options.get("workers", 1)) < 1:
+        if not isinstance(self.reward, Reward) or int(self.pool_options.get("workers", 2)) < 1:
             out = []
             for c in completions:  # in-process (plain callables: tests, or workers=0)
                 f = concurrent.futures.Future()
