@@ -13,9 +13,10 @@ def test_a_broken_reward_stops_laminar_train_with_its_traceback(cluster, warm_mo
     spec = "tests.laminar_jax.rewards.user_rewards:always_raises"
     overrides = [f"run.out_dir={tmp_path}", "run.name=broken_reward", f"model.hf_path={warm_model}",
                  "data.task=arithmetic", "data.group_size=8", "data.num_prompts=512", "data.task_max_n=9",
-                 "learner.global_batch_groups=4", "learner.max_seq_len=32", "rollout.max_new_tokens=8",
-                 "rollout.max_concurrency=32", "rollout.kv_budget_tokens=1024", "run.steps=20",
-                 f"reward.fn={spec}", "reward.error_window=32"]
+                 "learner.global_batch_groups=2", "learner.max_seq_len=32", "rollout.max_new_tokens=8",
+                 "rollout.max_concurrency=16", "rollout.kv_budget_tokens=512", "run.steps=20",
+                 "rollout.num_rollouts=1", "relay.enabled=false",  # the least to start: one rollout
+                 f"reward.fn={spec}", "reward.error_window=16"]
     rc = cli.main(["train", "configs/default.yaml", *overrides])
     out, err = capsys.readouterr()
     assert rc == 1, err
