@@ -97,7 +97,9 @@ class RolloutWorker:
         if self.engine is None:
             return False
         self._retry_undelivered()
-        if not self.undelivered and (not self.groups or modes.refills_continuously(self.mode)):
+        # groups being scored count as undelivered: new work waits for them as it did when scoring
+        # blocked the loop (the mode's batch rules are unchanged); decoding goes on meanwhile
+        if not self.undelivered and not self._scoring and (not self.groups or modes.refills_continuously(self.mode)):
             self._take()
         if not self.engine.has_unfinished():
             return False
