@@ -6,18 +6,21 @@
     laminar simulate CONFIG [key=value ...]      discrete-event simulator (laminar_jax.sim.cli)
 
 Heavy modules (jax, ray) are imported inside the handlers, after the config has loaded, so
-`--help` is instant and a config error costs nothing. Config errors print one line and exit 2.
+`--help` is instant and a config error costs nothing. Config errors, and the inputs
+`laminar_jax.preflight` finds unusable before Ray starts, print one line and exit 2.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import pathlib
+import re
 import sys
 from typing import Callable, Sequence
 
 DEFAULT_CONFIG = "configs/default.yaml"
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 _OVERRIDES_HELP = "dotted overrides parsed as YAML, e.g. optimizer.lr=1e-6 mesh.data=-1"
 
@@ -30,10 +33,22 @@ def _split_config(args: Sequence[str], *, required: bool) -> tuple[str, list[str
     """`[CONFIG] [key=value ...]`: the first argument is the config unless it is an override."""
     args = list(args)
     if args and "=" not in args[0]:
+        if _looks_like_key(args[0]):
+            raise _Usage(f"{args[0]!r} is neither a config file nor an override: an override needs '=', "
+                         f"e.g. {args[0]}=VALUE")
         return args[0], args[1:]
     if required:
         raise _Usage("a CONFIG path is required before the overrides")
     return _default_config(), args
+
+
+_KEY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+
+def _looks_like_key(arg: str) -> bool:
+    """`optimizer.lr` (a dotted key, no such file, not a YAML name): an override missing its '='."""
+    return (bool(_KEY_RE.match(arg)) and not arg.endswith((".yaml", ".yml", ".json"))
+            and not pathlib.Path(arg).exists())
 
 
 def _default_config() -> str:
@@ -69,9 +84,17 @@ def _cmd_config_show(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(check: str, cfg, path: str) -> None:
+    """The pre-Ray checks (laminar_jax.preflight); warnings go to stderr, one line each."""
+    from laminar_jax import preflight
+    for line in getattr(preflight, check)(cfg, source=path):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
 def _cmd_sft(ns: argparse.Namespace) -> int:
     path, overrides = _split_config(ns.args, required=False)
     cfg = _load(path, overrides)
+    _preflight("check_sft", cfg, path)
     run = _import_entry("laminar_jax.learner.sft", "run", "supervised training")
     run(cfg)
     return 0
@@ -80,6 +103,7 @@ def _cmd_sft(ns: argparse.Namespace) -> int:
 def _cmd_train(ns: argparse.Namespace) -> int:
     path, overrides = _split_config(ns.args, required=False)
     cfg = _load(path, overrides)
+    _preflight("check_train", cfg, path)
     run = _import_entry("laminar_jax.runtime.driver", "run", "the RL runtime",
                         "; `laminar sft` runs supervised training meanwhile")
     run(cfg)
@@ -130,11 +154,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `laminar` script; returns the exit code."""
     ns = build_parser().parse_args(argv)
     from laminar_jax.config_loader import ConfigError
+    from laminar_jax.rewards.health import RewardFailure
     try:
         return ns.handler(ns)
     except (_Usage, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RewardFailure as e:  # the run stopped itself: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -321,13 +321,28 @@ class RewardConfig:
     """Reward function: a built-in name or "package.module:function" (laminar_jax.rewards).
 
     Built-ins: exact_match, math (final answer, Math-Verify or sympy per math_backend), format
-    (each of format_tags present once, in order), task (a built-in task's own rule). A user
-    function is called as fn(prompt, completion, row) -> float with the dataset row.
+    (each of format_tags present once, in order), task (a built-in task's own rule), code_exec
+    (the completion's last ```python block run in a sandbox against the row's answer_field
+    tests). A user function is called as fn(prompt, completion, row) -> float with the dataset row.
+
+    Rewards run in `workers` processes per rollout, off the decode loop: a call gets timeout_s
+    of wall time, cpu_s of CPU and memory_mb of address space, else it is a "timeout" /
+    "crashed" / "raised" failure (scored 0, counted, its first traceback printed). The run stops
+    when more than max_error_rate of the rollouts' last error_window completions failed.
+    code_timeout_s / code_memory_mb: the sandbox of code_exec (per test case run).
     """
 
     fn: str = "task"
     format_tags: tuple[str, ...] = ("think",)
     math_backend: Literal["auto", "math_verify", "sympy"] = "auto"
+    workers: int = 2
+    timeout_s: float = 10.0
+    cpu_s: float = 10.0
+    memory_mb: int = 4096
+    max_error_rate: float = 0.5
+    error_window: int = 64
+    code_timeout_s: float = 5.0
+    code_memory_mb: int = 512
 
     def __post_init__(self):
         _require(bool(_REWARD_RE.match(self.fn)) and (":" in self.fn or "." not in self.fn),
@@ -335,6 +350,11 @@ class RewardConfig:
         _require(len(self.format_tags) > 0 and all(re.match(r"^[A-Za-z_][\w\-]*$", t)
                                                    for t in self.format_tags),
                  "format_tags", self.format_tags, "a non-empty list of tag names like think")
+        _at_least(self, 1, "workers", "error_window")
+        _at_least(self, 64, "memory_mb")
+        _at_least(self, 16, "code_memory_mb")
+        _positive(self, "timeout_s", "cpu_s", "code_timeout_s")
+        _require(0 <= self.max_error_rate <= 1, "max_error_rate", self.max_error_rate, "a rate in [0, 1]")
 
 
 @dataclass(frozen=True)

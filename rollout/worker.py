@@ -57,6 +57,7 @@ class RolloutWorker:
         self.engine = None
         self.groups: dict[str, _Group] = {}
         self.undelivered: list[list[Trajectory]] = []
+        self._scoring: list = []  # (group, texts, pending rewards): scored off the decode loop
         self._lock, self._stop = threading.RLock(), threading.Event()
         self._released, self.failed = False, None
         self._events: list[dict] = []
@@ -96,7 +97,9 @@ class RolloutWorker:
         if self.engine is None:
             return False
         self._retry_undelivered()
-        if not self.undelivered and (not self.groups or modes.refills_continuously(self.mode)):
+        # groups being scored count as undelivered: new work waits for them as it did when scoring
+        # blocked the loop (the mode's batch rules are unchanged); decoding goes on meanwhile
+        if not self.undelivered and not self._scoring and (not self.groups or modes.refills_continuously(self.mode)):
             self._take()
         if not self.engine.has_unfinished():
             return False
@@ -175,7 +178,7 @@ class RolloutWorker:
         group.timings[index] = (c.timings.first_token or c.timings.finished, c.timings.finished)
         if len(group.done) == group.group.group_size:
             del self.groups[gid]
-            self.undelivered.append(self._trajectories(group))
+            self._score(group)
             self._retry_undelivered()
 
     def _decode(self, tokens, key) -> str | None:
@@ -187,12 +190,33 @@ class RolloutWorker:
             self._event("decode_error", group_id=key[0], sample_index=key[1], error=f"{type(e).__name__}: {e}")
             return None
 
-    def _scores(self, g: PromptGroup, texts: list[str | None]) -> list[float]:
+    def _score(self, group: _Group) -> None:
+        """Decode a finished group and start its rewards (the reward pool works while we decode)."""
+        g = group.group
+        texts = [self._decode(group.done[i].response_tokens, (g.group_id, i)) for i in range(g.group_size)]
+        try:
+            pending = self.reward.submit_group(g, [t for t in texts if t is not None])
+        except Exception as e:  # noqa: BLE001 - reported by _scores
+            pending = e
+        self._scoring.append((group, texts, pending))
+
+    def _collect_scored(self) -> None:
+        still = []
+        for group, texts, pending in self._scoring:
+            if isinstance(pending, Exception) or pending.done():
+                self.undelivered.append(self._trajectories(group, self._scores(group.group, texts, pending)))
+            else:
+                still.append((group, texts, pending))
+        self._scoring = still
+
+    def _scores(self, g: PromptGroup, texts: list[str | None], pending) -> list[float]:
         """Rewards of a group; a reward that raises or is not finite scores 0, logged and counted."""
         out = [0.0] * len(texts)
         ok = [i for i, t in enumerate(texts) if t is not None]
         try:
-            results = self.reward.score_group(g, [texts[i] for i in ok])
+            if isinstance(pending, Exception):
+                raise pending
+            results = pending.results()
         except Exception as e:  # noqa: BLE001 - a reward that is not a RewardScorer may raise
             self.counters["reward_errors"] += len(ok)
             self._event("reward_error", group_id=g.group_id, error=f"{type(e).__name__}: {e}")
@@ -210,11 +234,10 @@ class RolloutWorker:
                 out[i] = float(result.value)
         return out
 
-    def _trajectories(self, group: _Group) -> list[Trajectory]:
+    def _trajectories(self, group: _Group, rewards: list[float]) -> list[Trajectory]:
         g = group.group
-        texts = [self._decode(group.done[i].response_tokens, (g.group_id, i)) for i in range(g.group_size)]
         out = []
-        for i, reward in enumerate(self._scores(g, texts)):
+        for i, reward in enumerate(rewards):
             p = group.done[i]
             first, done = group.timings.get(i, (time.time(), time.time()))
             out.append(Trajectory(g.group_id, g.prompt_id, i, self.id, p.prompt_tokens, p.response_tokens,
@@ -225,6 +248,7 @@ class RolloutWorker:
         return out
 
     def _retry_undelivered(self) -> None:
+        self._collect_scored()
         while self.undelivered:
             if not call(self.data.deliver, self.undelivered[0]):
                 return  # buffer full: back-pressure, retry next tick
@@ -284,7 +308,7 @@ class RolloutWorker:
             for gid, group in by_group.items():
                 if len(group.done) == group.group.group_size:
                     del self.groups[gid]
-                    self.undelivered.append(self._trajectories(group))
+                    self._score(group)
             # A rollout released earlier and not yet ticked would otherwise pull newer weights
             # under the adopted work: it holds a batch of this version again, to be drained.
             self._released = False
@@ -303,7 +327,8 @@ class RolloutWorker:
                     "kv_peak": 0.0 if s is None else max(self._kv_peak, s.kv_used) if self.groups else s.kv_used,
                     "num_running": 0 if s is None else s.num_running + s.num_waiting,
                     "num_waiting": 0 if s is None else s.num_waiting,
-                    "groups": len(self.groups), **self.counters}
+                    "groups": len(self.groups), **self.counters,
+                    "reward": self.reward.health() if hasattr(self.reward, "health") else None}
 
     def drain_events(self) -> list[dict]:
         with self._lock:
@@ -315,3 +340,5 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self._stop.set()
+        if hasattr(self.reward, "close"):  # the reward processes
+            self.reward.close()

@@ -2,7 +2,7 @@
 
 A row needs a string `prompt_field`; `answer_field` is optional (None when absent: a user reward
 may need only the row). A row id comes from `id_field` when present, else "<file stem>-<n>".
-Bad rows (invalid JSON, not an object, missing / null / non-string / empty prompt) are skipped
+Bad rows (invalid JSON, bytes that are not UTF-8, not an object, missing / null / non-string / empty prompt) are skipped
 and reported as `BadRow`s with the file and location: "line N" (1-based) in JSON lines,
 "item N" (0-based) in a JSON array, "row N" (0-based, as pandas counts) in Parquet. Loading goes
 on with the good rows; a file with no good row is a `DatasetError` naming the file.
@@ -77,18 +77,32 @@ def _check_row(row: Any, prompt_field: str) -> str | None:
 
 
 def _json_rows(path: str) -> Iterator[tuple[str, Any, str | None]]:
-    """(location, row, parse error) for each record of a JSON-lines file or JSON array."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json") and text.lstrip().startswith("["):
+    """(location, row, parse error) for each record of a JSON-lines file or JSON array.
+
+    Lines are decoded one by one, so bytes that are not UTF-8 cost only their own line (reported
+    like invalid JSON); a JSON array is one document and must be UTF-8 as a whole.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if path.endswith(".json") and data.lstrip().startswith(b"["):
         try:
-            items = json.loads(text)
+            items = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise DatasetError(f"{path}: line {line}: not UTF-8 (byte 0x{data[e.start]:02x}); "
+                               "a JSON array must be UTF-8 throughout") from None
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}: invalid JSON array ({e})") from None
         for i, item in enumerate(items):
             yield f"item {i}", item, None
         return
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            yield (f"line {lineno}", None,
+                   f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+            continue
         if not line.strip():
             continue
         try:

@@ -309,3 +309,94 @@ def save_pretrained(folder: str, cfg: DecoderConfig, params: Any, dtype: Any = N
         json.dump(index, f, indent=2, sort_keys=True)
         f.write("\n")
     return written + [os.path.join(folder, INDEX_FILE)]
+
+
+# ---------------------------------------------------------------------- checks without loading
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+                "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+_HEADER_MAX = 100 * 1024 * 1024  # the safetensors format's own cap on the JSON header
+
+
+def safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header, reading no tensor data.
+
+    Checks what a truncated or foreign file gets wrong: the 8-byte header length, the JSON
+    header, and that every tensor's byte range matches its shape and lies inside the file.
+    ValueError naming the file otherwise.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file ({size} bytes, no header)")
+        n = int.from_bytes(head, "little")
+        if n > min(_HEADER_MAX, size - 8):
+            raise ValueError(f"{path}: not a safetensors file or truncated (header of {n} bytes in a "
+                             f"{size}-byte file)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
+    out, data_bytes = {}, size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{path}: tensor {name!r}: malformed header entry {info!r:.100}") from None
+        want = int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES.get(dtype, 0)
+        if dtype not in _DTYPE_BYTES or end - begin != want:
+            raise ValueError(f"{path}: tensor {name!r}: dtype {dtype} shape {list(shape)} does not match "
+                             f"its {end - begin} stored bytes")
+        if end > data_bytes:
+            raise ValueError(f"{path}: truncated: tensor {name!r} ends at byte {end} of the data, but the file "
+                             f"holds {data_bytes} data bytes")
+        out[name] = (dtype, shape)
+    return out
+
+
+def check_folder(folder: str) -> DecoderConfig:
+    """Checks a Hugging Face folder without loading weights: config.json (architectures agreeing
+    with model_type), every shard's header, and every tensor the model needs with its shape.
+    Returns the config; FileNotFoundError / ValueError naming the bad file otherwise."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder}: no such model folder")
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{config_path}: not found (a Hugging Face model folder needs config.json)")
+    hf_config = _read_json(config_path)
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
+    from laminar_jax.models.config import ARCHITECTURES
+    archs, model_type = hf_config.get("architectures") or [], hf_config.get("model_type")
+    if archs and archs[0] in ARCHITECTURES and model_type is not None and model_type != ARCHITECTURES[archs[0]]:
+        raise ValueError(f"{config_path}: model_type {model_type!r} contradicts architectures {archs!r} "
+                         f"(which is model_type {ARCHITECTURES[archs[0]]!r})")
+    cfg = DecoderConfig.from_hf(hf_config, source=config_path)
+    index_path, single_path = os.path.join(folder, INDEX_FILE), os.path.join(folder, SINGLE_FILE)
+    if os.path.exists(index_path):
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path}: missing 'weight_map'")
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(single_path):
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    shapes, where = {}, {}
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{index_path}: shard {name!r} not found at {path}")
+        for tensor, (_, shape) in safetensors_header(path).items():
+            shapes[tensor], where[tensor] = shape, path
+    for entry in name_map(cfg):
+        if entry.hf_name not in shapes:
+            raise ValueError(f"{folder}: missing tensor {entry.hf_name!r} (expected shape {entry.hf_shape})")
+        if shapes[entry.hf_name] != entry.hf_shape:
+            raise ValueError(f"{where[entry.hf_name]}: tensor {entry.hf_name!r} has shape "
+                             f"{shapes[entry.hf_name]}, expected {entry.hf_shape}")
+    return cfg

@@ -3,7 +3,9 @@
 Two backends, same contract (1.0 equal, 0.0 not or no answer found):
 - "math_verify": Hugging Face Math-Verify (`pip install "math-verify[antlr4_13_2]"`), which
   extracts LaTeX / plain answers and compares them symbolically and numerically. Its timeouts use
-  SIGALRM, which works only in the main thread, so off the main thread they are switched off.
+  SIGALRM, which works only in the main thread: a run scores rewards on the main thread of its
+  reward processes (rewards/pool.py), so they are on (`verify_timeout()`); called from another
+  thread they are off and only the pool's reward.timeout_s bounds the call.
 - "sympy": the final `\\boxed{...}` of the completion (else its last number), a small LaTeX to
   sympy translation, then string, numeric (relative 1e-6) or symbolic (`simplify(a - b) == 0`)
   equality. Model output never reaches `eval` unless it is made only of digits, operators,
@@ -23,6 +25,14 @@ MAX_EXPR_CHARS = 200
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 _SAFE = re.compile(r"^[0-9a-zA-Z+\-*/().\s]*$")
 _NAMES = {"sqrt", "pi", "E", "I", "oo"}
+
+
+MATH_VERIFY_TIMEOUT_S = 5
+
+
+def verify_timeout() -> int | None:
+    """Math-Verify's parse / verify timeout here: on the main thread (a reward process), else off."""
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
 def math_verify_available() -> bool:
@@ -150,7 +160,7 @@ def math_equal(completion: str, gold: str, backend: str = "auto") -> bool:
     if backend == "math_verify" or (backend == "auto" and math_verify_available()):
         from math_verify import parse, verify
 
-        timeout = 5 if threading.current_thread() is threading.main_thread() else None
+        timeout = verify_timeout()
         gold_text = gold if ("\\boxed" in gold or "$" in gold) else f"${gold}$"
         gold_parsed = parse(gold_text, parsing_timeout=timeout)
         pred_parsed = parse(completion, parsing_timeout=timeout)

@@ -8,13 +8,23 @@ so a typo fails at once with a message naming the spec (a `ConfigError`).
 `score` never lets a bad reward through and never turns it into 0 silently: an exception, NaN,
 inf, or a value that is not a real number comes back as a `RewardError` record (function name,
 prompt id, exception text); the caller decides what to do (the runtime logs it as an event).
+
+`RewardScorer` is what a rollout holds: for a resolved `Reward` it scores in a `RewardPool`
+(worker processes with reward.timeout_s, cpu_s and memory_mb; `submit_group` returns at once, so
+decoding goes on while a group is scored), adding the kinds "timeout" and "crashed"; it counts
+every outcome by kind, keeps the last `error_window` outcomes for the run's error-rate check and
+the first traceback of each kind (`health()`, read by `rewards.health.RewardWatch` on the driver).
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 import importlib
 import inspect
 import math
+import threading
+import traceback as tb
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -22,6 +32,7 @@ import numpy as np
 
 from laminar_jax.config_loader import ConfigError
 from laminar_jax.rewards.builtin import check_tags, exact_match_reward, format_reward, task_reward
+from laminar_jax.rewards.code import code_exec_reward
 from laminar_jax.rewards.math import math_reward
 
 # name -> (function, options it takes from the config)
@@ -30,7 +41,9 @@ BUILTIN_REWARDS: dict[str, tuple[Callable[..., float], tuple[str, ...]]] = {
     "math": (math_reward, ("answer_field", "backend")),
     "format": (format_reward, ("tags",)),
     "task": (task_reward, ()),
+    "code_exec": (code_exec_reward, ("answer_field", "sandbox")),
 }
+ERROR_KINDS = ("raised", "non_finite", "not_a_number", "timeout", "crashed")
 
 
 class RewardSpecError(ConfigError):
@@ -39,7 +52,7 @@ class RewardSpecError(ConfigError):
 
 @dataclass(frozen=True)
 class RewardError:
-    """A reward that failed on one completion. kind: "raised" | "non_finite" | "not_a_number"."""
+    """A reward that failed on one completion. kind: one of `ERROR_KINDS`."""
 
     fn: str
     prompt_id: str
@@ -47,10 +60,14 @@ class RewardError:
     error: str
     group_id: str = ""
     sample_index: int = -1
+    traceback: str = ""
 
     def to_event(self) -> dict:
-        """Fields for `RunWriter.log_event("reward_error", **fields)`."""
-        return asdict(self)
+        """Fields for `RunWriter.log_event("reward_error", **fields)`; the traceback stays out (one
+        per failing completion would flood events.jsonl; the first of each kind reaches the console)."""
+        fields = asdict(self)
+        fields.pop("traceback")
+        return fields
 
 
 @dataclass(frozen=True)
@@ -95,9 +112,11 @@ class Reward:
     """
 
     def __init__(self, fn: str, *, answer_field: str = "answer", format_tags: Sequence[str] = ("think",),
-                 math_backend: str = "auto"):
+                 math_backend: str = "auto", pool: Mapping[str, Any] | None = None,
+                 sandbox: Mapping[str, Any] | None = None):
         self.name = fn
-        self.options = dict(answer_field=answer_field, format_tags=tuple(format_tags), math_backend=math_backend)
+        self.options = dict(answer_field=answer_field, format_tags=tuple(format_tags), math_backend=math_backend,
+                            pool=dict(pool or {}), sandbox=dict(sandbox or {}))
         self._fn = self._resolve()
 
     def _resolve(self) -> Callable:
@@ -110,7 +129,8 @@ class Reward:
             raise RewardSpecError(f"reward.fn {spec!r}: not a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))})"
                                   f" and not an import path 'package.module:function'")
         fn, takes = BUILTIN_REWARDS[spec]
-        values = dict(answer_field=self.options["answer_field"], backend=self.options["math_backend"])
+        values = dict(answer_field=self.options["answer_field"], backend=self.options["math_backend"],
+                      sandbox=self.options.get("sandbox", {}))
         if "tags" in takes:
             try:
                 values["tags"] = check_tags(self.options["format_tags"])
@@ -138,8 +158,12 @@ def resolve_reward(spec, *, answer_field: str = "answer") -> Reward:
     """A `Reward` from a `RewardConfig` or a spec string; `RewardSpecError` when unusable."""
     if isinstance(spec, str):
         return Reward(spec, answer_field=answer_field)
+    pool = {k: getattr(spec, k) for k in ("workers", "timeout_s", "cpu_s", "memory_mb", "error_window")
+            if hasattr(spec, k)}
+    sandbox = {k.removeprefix("code_"): getattr(spec, k) for k in ("code_timeout_s", "code_memory_mb")
+               if hasattr(spec, k)}
     return Reward(spec.fn, answer_field=answer_field, format_tags=getattr(spec, "format_tags", ("think",)),
-                  math_backend=getattr(spec, "math_backend", "auto"))
+                  math_backend=getattr(spec, "math_backend", "auto"), pool=pool, sandbox=sandbox)
 
 
 def check_value(value: Any) -> tuple[float | None, str | None, str | None]:
@@ -156,39 +180,125 @@ def score(reward: Callable, *, prompt: str, completion: str, row: Mapping[str, A
           group_id: str = "", sample_index: int = -1, name: str | None = None) -> RewardResult:
     """Call the reward on one completion; failures come back as a `RewardError`, never raise."""
     name = name or getattr(reward, "name", getattr(reward, "__name__", repr(reward)))
+    trace = ""
     try:
         raw = reward(prompt, completion, row)
     except Exception as e:  # any failure of user code is reported, not propagated
-        kind, message, value = "raised", f"{type(e).__name__}: {e}", None
+        kind, message, value, trace = "raised", f"{type(e).__name__}: {e}", None, tb.format_exc()[-4000:]
     else:
         value, kind, message = check_value(raw)
     if kind is None:
         return RewardResult(value)
-    return RewardResult(None, RewardError(name, prompt_id, kind, message, group_id, sample_index))
+    return RewardResult(None, RewardError(name, prompt_id, kind, message, group_id, sample_index, trace))
+
+
+class PendingScores:
+    """The rewards of one group being computed; `done()` polls, `results()` collects (once)."""
+
+    def __init__(self, scorer: "RewardScorer", group, futures: list):
+        self._scorer, self._group, self._futures, self._results = scorer, group, futures, None
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def results(self) -> list[RewardResult]:
+        if self._results is None:
+            self._results = [self._scorer._record(self._group, i, f.result()) for i, f in enumerate(self._futures)]
+        return self._results
 
 
 class RewardScorer:
-    """`score` with running counts (calls, errors by kind), for a rollout worker's stats."""
+    """`score` with running counts by kind, an error window and first tracebacks; scores a
+    resolved `Reward` in a `RewardPool` (module docstring), any other callable in-process.
+
+    Picklable (the pool is started in the process that scores: a Ray rollout actor).
+    """
 
     def __init__(self, reward: Callable, name: str | None = None):
         self.reward = reward
         self.name = name or getattr(reward, "name", getattr(reward, "__name__", repr(reward)))
-        self._counts = dict(calls=0, errors=0, raised=0, non_finite=0, not_a_number=0)
+        options = getattr(reward, "options", {}) if isinstance(reward, Reward) else {}
+        self.pool_options = dict(options.get("pool", {}))
+        self._setup()
+
+    def _setup(self) -> None:
+        self._counts = dict(calls=0, errors=0, **{k: 0 for k in ERROR_KINDS})
+        self._window = collections.deque(maxlen=int(self.pool_options.get("error_window", 64)))
+        self._first: dict[str, str] = {}
+        self._lock, self._pool = threading.Lock(), None
+
+    def __getstate__(self) -> dict:
+        return {"reward": self.reward, "name": self.name, "pool_options": self.pool_options}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    # ------------------------------------------------------------------ scoring
+    def _futures(self, group, completions: Sequence[str]) -> list:
+        if not isinstance(self.reward, Reward) or int(self.pool_options.get("workers", 2)) < 1:
+            out = []
+            for c in completions:  # in-process (plain callables: tests, or workers=0)
+                f = concurrent.futures.Future()
+                f.set_result(score(self.reward, prompt=group.prompt, completion=c, row=group.row,
+                                   prompt_id=group.prompt_id, group_id=group.group_id, name=self.name))
+                out.append(f)
+            return out
+        if self._pool is None:
+            from laminar_jax.rewards.pool import RewardPool
+            o = self.pool_options
+            self._pool = RewardPool(self.reward, workers=int(o.get("workers", 2)), timeout_s=o.get("timeout_s", 10.0),
+                                    cpu_s=o.get("cpu_s", 10.0), memory_mb=int(o.get("memory_mb", 4096)))
+        return [self._pool.submit(group.prompt, c, group.row) for c in completions]
+
+    def _record(self, group, index: int, got) -> RewardResult:
+        if not isinstance(got, RewardResult):  # a pool Outcome
+            got = RewardResult(got.value) if got.kind is None else RewardResult(None, RewardError(
+                self.name, group.prompt_id, got.kind, got.message, group.group_id, index, got.traceback))
+        elif got.error is not None:
+            got = RewardResult(None, RewardError(**{**asdict(got.error), "sample_index": index}))
+        with self._lock:
+            self._counts["calls"] += 1
+            self._window.append(got.error is not None)
+            if got.error is not None:
+                self._counts["errors"] += 1
+                self._counts[got.error.kind] += 1
+                self._first.setdefault(got.error.kind, got.error.traceback or got.error.error)
+        return got
+
+    def submit_group(self, group, completions: Sequence[str]) -> PendingScores:
+        """Start scoring the completions of a `PromptGroup` (sample i = completions[i])."""
+        return PendingScores(self, group, self._futures(group, completions))
+
+    def score_group(self, group, completions: Sequence[str]) -> list[RewardResult]:
+        """Score the completions of a `PromptGroup`, sample i being completions[i] (waits)."""
+        return self.submit_group(group, completions).results()
 
     def score(self, *, prompt: str, completion: str, row: Mapping[str, Any], prompt_id: str,
               group_id: str = "", sample_index: int = -1) -> RewardResult:
+        """One completion, in this process."""
         result = score(self.reward, prompt=prompt, completion=completion, row=row, prompt_id=prompt_id,
                        group_id=group_id, sample_index=sample_index, name=self.name)
-        self._counts["calls"] += 1
-        if result.error is not None:
-            self._counts["errors"] += 1
-            self._counts[result.error.kind] += 1
+        with self._lock:
+            self._counts["calls"] += 1
+            self._window.append(result.error is not None)
+            if result.error is not None:
+                self._counts["errors"] += 1
+                self._counts[result.error.kind] += 1
+                self._first.setdefault(result.error.kind, result.error.traceback or result.error.error)
         return result
 
-    def score_group(self, group, completions: Sequence[str]) -> list[RewardResult]:
-        """Score the completions of a `PromptGroup`, sample i being completions[i]."""
-        return [self.score(prompt=group.prompt, completion=c, row=group.row, prompt_id=group.prompt_id,
-                           group_id=group.group_id, sample_index=i) for i, c in enumerate(completions)]
-
     def counts(self) -> dict[str, int]:
-        return dict(self._counts)
+        with self._lock:
+            return dict(self._counts)
+
+    def health(self) -> dict:
+        """Counts, the error window (calls, errors) and the first traceback of each error kind."""
+        with self._lock:
+            return {"fn": self.name, **self._counts, "window_calls": len(self._window),
+                    "window_errors": int(sum(self._window)), "first_errors": dict(self._first)}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

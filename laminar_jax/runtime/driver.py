@@ -24,6 +24,7 @@ import ray
 
 from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
+from laminar_jax.rewards.health import RewardWatch
 from laminar_jax.runtime import cluster, progress
 from laminar_jax.runtime.fleet import Fleet
 
@@ -84,6 +85,7 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
         f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, model "
         f"{model_dir or cfg.model.preset}, steps {start}..{cfg.run.steps}, run folder {run_dir}")
     meter, rows = progress.RolloutMeter(), []
+    watch = RewardWatch(max_error_rate=cfg.reward.max_error_rate, error_window=cfg.reward.error_window)
     pending = fleet.learner.step.remote() if start < cfg.run.steps else None
     try:
         for step in range(start, cfg.run.steps):
@@ -92,7 +94,11 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             # the learner starts its next iteration while this one is logged
             pending = fleet.learner.step.remote() if step + 1 < cfg.run.steps else None
             m = dict(out["metrics"])
-            m.update(meter.update(fleet.live_stats()))
+            stats = fleet.live_stats()
+            m.update(meter.update(stats))
+            for line in watch.update(stats):  # reward failures: console, and a stop past the rate
+                say(line)
+            watch.check()
             acc = ray.get(fleet.data.accounting.remote())
             m.update({f"ledger/{k}": v for k, v in acc.items()})
             writer.log_step(step, m)

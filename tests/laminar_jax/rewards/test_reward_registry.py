@@ -80,7 +80,7 @@ def test_user_reward_by_import_path_gets_prompt_completion_and_row(user_module):
     ("{mod}:missing", "has no attribute 'missing'"),
     ("{mod}:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a function"),
     ("{mod}:two_args", "must accept (prompt, completion, row)"),
-    ("exact_matc", "not a built-in reward (exact_match, format, math, task)"),
+    ("exact_matc", "not a built-in reward (code_exec, exact_match, format, math, task)"),
 ])
 def test_unresolvable_specs_fail_early_with_the_spec_named(user_module, spec, message):
     spec = spec.format(mod=user_module)
@@ -127,11 +127,11 @@ def test_scorer_counts_every_outcome():
     results = scorer.score_group(group, ["a", "b", "c", "d"])
     assert [r.value for r in results] == [1.0, None, None, 0.5]
     assert [r.error.sample_index for r in results if r.error] == [1, 2]
-    assert scorer.counts() == dict(calls=4, errors=2, raised=0, non_finite=1, not_a_number=1)
+    assert scorer.counts() == dict(calls=4, errors=2, raised=0, non_finite=1, not_a_number=1, timeout=0, crashed=0)
 
 
 def test_builtin_names_and_spec_errors():
-    assert set(BUILTIN_REWARDS) == {"exact_match", "math", "format", "task"}
+    assert set(BUILTIN_REWARDS) == {"exact_match", "math", "format", "task", "code_exec"}
     for name in BUILTIN_REWARDS:
         assert resolve_reward(name).name == name
     with pytest.raises(RewardSpecError, match="math_backend 'x'"):
