@@ -3,7 +3,7 @@
 Prints a table of simulated throughput next to the paper's (when the config gives it), then
 per-cell idle fractions, KV use and staleness, and writes one run folder per cell under
 `run.out_dir/<name>/<system>_<accelerators>` (same format as a real run) plus the table as
-`run.out_dir/<name>/table.md` (`run.write=false` skips writing).
+`run.out_dir/<name>/table.md` (`run.write`: full | summary | none).
 """
 
 from __future__ import annotations
@@ -16,19 +16,23 @@ from laminar_jax.sim.config import SimConfig, load_sim_config
 __all__ = ["main", "simulate"]
 
 
-def simulate(cfg: SimConfig, *, write: bool | None = None, progress=None):
-    """Run every selected cell of `cfg`; returns a list of `report.CellResult`."""
+def simulate(cfg: SimConfig, *, write: str | bool | None = None, progress=None):
+    """Run every selected cell of `cfg`; returns a list of `report.CellResult`.
+
+    write: "none" | "summary" | "full" (True / False = full / none); default run.write."""
     from laminar_jax.sim.engine import Sim
     from laminar_jax.sim.report import cell_result, write_run
 
     write = cfg.run.write if write is None else write
+    if isinstance(write, bool):
+        write = "full" if write else "none"
     root = pathlib.Path(cfg.run.out_dir) / cfg.name
     results = []
     for cell in cfg.selected_cells():
         t0 = time.perf_counter()
         sim = Sim(cfg, cell).run()
-        if write:
-            result = write_run(sim, root / f"{cell.system}_{cell.accelerators}")
+        if write != "none":
+            result = write_run(sim, root / f"{cell.system}_{cell.accelerators}", mode=write)
         else:
             result = cell_result(sim)
         results.append(result)
@@ -75,7 +79,7 @@ def main(config_path: str, overrides: list[str]) -> int:
     console.print(render_table(results, title=f"{cfg.name}: throughput (x1e5 tokens/s)",
                                tolerance=cfg.tolerance))
     console.print(_details_table(results))
-    if cfg.run.write:
+    if cfg.run.write != "none":
         root = pathlib.Path(cfg.run.out_dir) / cfg.name
         (root / "table.md").write_text(markdown_table(results, tolerance=cfg.tolerance))
         console.print(f"run folders and table.md: {root}")

@@ -115,6 +115,7 @@ class Rollout:
         self.waiting: deque = deque()
         self.sleeping: set = set()          # in a tool call, still owned by this rollout
         self.incoming = 0                   # repacked trajectories on their way here
+        self.held = 0                       # finished groups the full buffer refused (block)
         self.resident: set = set()          # waiting with their KV cache already here (no prefill)
         self.epoch = 0                      # bumped on every reschedule (lazy event deletion)
         self.next_step = 0
