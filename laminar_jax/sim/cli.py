@@ -46,13 +46,17 @@ def _details_table(results):
 
     t = Table(title="per cell (measured iterations)")
     for col in ("system", "acc.", "train/rollout", "tok/s", "iter s", "rollout idle",
-                "learner idle", "KV use", "gen tok/s", "staleness mean/max"):
+                "learner idle", "KV use", "gen tok/s", "staleness mean/max", "buffer/held",
+                "weights wait s", "steady"):
         t.add_column(col, justify="right" if col != "system" else "left")
     for r in results:
         t.add_row(r.system, str(r.accelerators), f"{r.train}/{r.rollout}",
                   f"{r.throughput:,.0f}", f"{r.iteration_s:,.1f}", f"{r.rollout_idle_frac:.2f}",
                   f"{r.learner_idle_frac:.2f}", f"{r.kv_use:.2f}", f"{r.gen_tokens_per_s:,.0f}",
-                  f"{r.staleness_mean:.2f}/{r.staleness_max}")
+                  f"{r.staleness_mean:.2f}/{r.staleness_max}",
+                  f"{r.buffer_groups_mean:.0f}/{r.held_groups_mean:.0f}", f"{r.weight_wait_s:.2f}",
+                  "yes" if r.steady else f"[red]no[/red] (drift {r.occupancy_drift:+.2f} cap, "
+                  f"{r.staleness_drift:+.1f} v)")
     return t
 
 
@@ -70,12 +74,18 @@ def main(config_path: str, overrides: list[str]) -> int:
         return 2
 
     def progress(r, seconds):
-        console.print(f"  {r.system:>12} @ {r.accelerators:>5}: {r.throughput:>12,.0f} tok/s "
+        flag = "" if r.steady else " [red]UNSTEADY: not a throughput[/red]"
+        console.print(f"  {r.system:>12} @ {r.accelerators:>5}: {r.throughput:>12,.0f} tok/s{flag} "
                       f"({r.trajectories:,} trajectories, {r.sim_time_s:,.0f} s simulated, "
                       f"{seconds:.1f} s wall)")
 
     console.print(f"[bold]{cfg.name}[/bold]: {len(cells)} cell(s)")
-    results = simulate(cfg, progress=progress)
+    from laminar_jax.sim.engine import CapReached
+    try:
+        results = simulate(cfg, progress=progress)
+    except CapReached as e:     # a cap is an error naming the cap and the cell, not a NaN
+        console.print(f"[red]error: {e}[/red]", soft_wrap=True)
+        return 1
     console.print(render_table(results, title=f"{cfg.name}: throughput (x1e5 tokens/s)",
                                tolerance=cfg.tolerance))
     console.print(_details_table(results))

@@ -139,7 +139,8 @@ class Sim:
         target = run.warmup_steps + run.measure_steps
         for f in self.cfg.failures:
             self.push(f.time_s, self._fail, f)
-        self.push(0.0, self._sample)
+        if run.write != "summary":     # KV samples are only written by run.write=full
+            self.push(0.0, self._sample)
         self.policy.start()
         heap = self._heap
         pop = heapq.heappop

@@ -52,11 +52,24 @@ class CellResult:
     steps: int
     trajectories: int
     sim_time_s: float
+    steady: bool = True
+    occupancy_drift: float = 0.0
+    staleness_drift: float = 0.0
+    buffer_groups_mean: float = 0.0
+    held_groups_mean: float = 0.0
+    evicted_groups: int = 0
+    weight_wait_s: float = float("nan")
     run_dir: str | None = None
 
     @property
     def ratio(self) -> float:
         return self.throughput / self.paper if self.paper else float("nan")
+
+    @property
+    def reported(self) -> float:
+        """The throughput to report: NaN for a cell without a steady state (`Sim.steady_state`),
+        whose number would be a filling pipeline's, not the system's."""
+        return self.throughput if self.steady else float("nan")
 
 
 def consumed_arrays(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -100,7 +113,12 @@ def cell_result(sim, run_dir: str | None = None) -> CellResult:
         kv_use=s.get("kv_use", nan), gen_tokens_per_s=s.get("gen_tokens_per_s", nan),
         staleness_mean=s.get("staleness_mean", nan), staleness_max=s.get("staleness_max", 0),
         staleness_hist=staleness_histogram(sim), steps=len(sim.steps),
-        trajectories=sim.issued, sim_time_s=sim.now, run_dir=run_dir)
+        trajectories=sim.issued, sim_time_s=sim.now, steady=bool(s.get("steady", False)),
+        occupancy_drift=s.get("occupancy_drift", nan), staleness_drift=s.get("staleness_drift", nan),
+        buffer_groups_mean=s.get("buffer_groups_mean", nan),
+        held_groups_mean=s.get("held_groups_mean", nan),
+        evicted_groups=s.get("evicted_groups", 0), weight_wait_s=s.get("weight_wait_s", nan),
+        run_dir=run_dir)
 
 
 def trajectory_columns(sim) -> dict[str, np.ndarray]:
@@ -199,7 +217,8 @@ def _fmt(x: float) -> str:
 
 
 def render_table(results: list[CellResult], *, title: str, tolerance: float):
-    """A rich Table: simulated vs paper throughput (x1e5 tokens/s), one row per system."""
+    """A rich Table: simulated vs paper throughput (x1e5 tokens/s), one row per system; a cell
+    without a steady state is marked unsteady (its number in brackets), not as a throughput."""
     from rich.table import Table
 
     scales, by_system = table_rows(results)
@@ -215,7 +234,11 @@ def render_table(results: list[CellResult], *, title: str, tolerance: float):
                 row.append("")
                 continue
             text = _fmt(r.throughput)
-            if r.paper:
+            if not r.steady:
+                text = f"[red]unsteady[/red] ({text})"
+                if r.paper:
+                    text += f" / {_fmt(r.paper)}"
+            elif r.paper:
                 ok = abs(r.ratio - 1.0) <= tolerance
                 colour = "green" if ok else "red"
                 text = f"{text} / {_fmt(r.paper)} [{colour}]({r.ratio:.2f})[/{colour}]"
@@ -243,7 +266,8 @@ def mean_ratio_error(results: list[CellResult]) -> float:
 
 def markdown_table(results: list[CellResult], *, tolerance: float) -> str:
     """The comparison as a Markdown table: `sim / paper (ratio)` in 1e5 tokens/s per cell;
-    a ratio outside 1 +- tolerance is marked with **bold**."""
+    a ratio outside 1 +- tolerance is marked with **bold**; a cell without a steady state
+    reads `unsteady (number)`, never a plain throughput."""
     scales, by_system = table_rows(results)
     lines = ["| system | " + " | ".join(f"{n}" for n in scales) + " |",
              "|---|" + "---|" * len(scales)]
@@ -253,6 +277,9 @@ def markdown_table(results: list[CellResult], *, tolerance: float) -> str:
             r = cells.get(n)
             if r is None:
                 row.append("")
+            elif not r.steady:
+                row.append(f"unsteady ({_fmt(r.throughput)})"
+                           + (f" / {_fmt(r.paper)}" if r.paper else ""))
             elif r.paper:
                 ratio = f"{r.ratio:.2f}"
                 if abs(r.ratio - 1.0) > tolerance:

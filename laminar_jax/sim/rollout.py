@@ -153,13 +153,18 @@ class Rollout:
         if now > t0:
             limit = self.next_step - self.S
             if now >= self.next_time:
+                # the scheduled event: schedule() computed its time from this very state
                 s = limit
+                if s > 0:
+                    self.t_ref = self.next_time
+                    self.S += s
+                    self.gen_tokens += n * s
             else:
                 s = min(self.dm.steps_within(n, k0, now - t0), limit)
-            if s > 0:
-                self.t_ref += self.dm.steps_time(n, k0, s)
-                self.S += s
-                self.gen_tokens += n * s
+                if s > 0:
+                    self.t_ref += self.dm.steps_time(n, k0, s)
+                    self.S += s
+                    self.gen_tokens += n * s
         a = self.t_stat
         if now > a:
             if s > 0:
