@@ -2,6 +2,8 @@
 
     .venv/bin/python experiments/bench_sim.py                       # both parts, 7B workload
     .venv/bin/python experiments/bench_sim.py --scales 256,1024,4096 --skip-tables
+    .venv/bin/python experiments/bench_sim.py --scales "" --tables configs/sim/paper_7b_math.yaml \
+        --out experiments/results/bench_sim_tables.json
 
 Part 1 (scale): every system of --config at each scale of --scales, with the paper's
 1024-accelerator placements scaled (Table 2, 72B column: sync colocated on all accelerators,
@@ -108,9 +110,10 @@ def main(argv=None) -> None:
     p.add_argument("--skip-tables", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    out = {"machine": platform.processor() or platform.machine(), "argv": vars(args),
-           "scale": scale_part(args.config, [int(x) for x in args.scales.split(",")],
-                               args.updates)}
+    out = {"machine": platform.processor() or platform.machine(), "argv": vars(args)}
+    if args.scales:          # --scales "" skips the scale part
+        out["scale"] = scale_part(args.config, [int(x) for x in args.scales.split(",")],
+                                  args.updates)
     if not args.skip_tables:
         out["tables"] = table_part(args.tables.split(","))
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
