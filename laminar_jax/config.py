@@ -19,6 +19,7 @@ from laminar_jax.config_loader import check_non_negative as _non_negative
 from laminar_jax.config_loader import check_positive as _positive
 from laminar_jax.config_loader import require as _require
 from laminar_jax.rl.spec import AdvantageSpec, CorrectionSpec, LossSpec
+from laminar_jax.manager.modes import Mode  # the mode Literal, derived from MODE_RULES
 
 __all__ = [
     "AdvantageSpec", "Config", "ConfigError", "DataConfig", "LearnerConfig", "LossSpec",
@@ -244,7 +245,7 @@ class ManagerConfig:
     A worker silent for heartbeat_timeout_s is declared dead.
     """
 
-    mode: Literal["sync", "one_step", "stream", "partial", "laminar"] = "laminar"
+    mode: Mode = "laminar"  # the modes of manager.modes.MODE_RULES
     repack: bool = True
     repack_interval_s: float = 5.0
     c_max: float = 0.99

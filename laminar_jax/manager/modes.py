@@ -1,7 +1,9 @@
 """Scheduling modes and their staleness / admission rules, as pure functions.
 
-One table of rules shared by the runtime (manager, learner, rollout workers) and the cluster
-simulator, so both schedule the same way. Definitions (Laminar, arXiv 2510.12633, §2.3, §6):
+One table of rules (`MODE_RULES`, a frozen `ModeRules` row per mode) shared by the runtime
+(manager, learner, data actor, rollout workers) and the cluster simulator, so both schedule the
+same way; the predicates below only read it, and the mode `Literal`s of the config schemas
+derive from it. Adding a mode is one row (plus, if its scheduling is new, one simulator policy). Definitions (Laminar, arXiv 2510.12633, §2.3, §6):
 
     staleness = learner version at consumption - gen_version
 
@@ -26,11 +28,15 @@ No jax, no I/O, no clock.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "ModeRules",
+    "MODE_RULES",
     "MODES",
     "Mode",
+    "rules",
     "check_mode",
     "staleness",
     "staleness_bound",
@@ -47,20 +53,81 @@ __all__ = [
     "batch_of",
 ]
 
-Mode = Literal["sync", "one_step", "stream", "partial", "laminar"]
-MODES: tuple[str, ...] = ("sync", "one_step", "stream", "partial", "laminar")
-
-
-def check_mode(mode: str) -> str:
-    """Returns `mode` or raises ValueError naming the valid modes."""
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-    return mode
-
 
 def _check_version(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModeRules:
+    """Everything a scheduling mode changes, as one record; every predicate below reads it.
+
+    global_batches: the fleet generates one global batch at a time on one version, with a
+      global weight sync (batch k on a version >= k - bound, `may_start_batch`).
+    interrupts_on_publish: a publish interrupts in-flight generation (trajectories span
+      versions; admission by AReaL's `may_submit`).
+    streams_minibatches: the learner trains mini-batches of its batch as groups finish.
+    refills_continuously: a rollout takes new prompts while it still generates.
+    may_repack: the manager may run the repack plan (when enabled).
+    staleness_bound: the bound without a setting (None = unbounded / observed).
+    bound_from_setting: `max_staleness` (stream's bound, AReaL's eta) replaces it when set.
+    """
+
+    name: str
+    global_batches: bool = False
+    interrupts_on_publish: bool = False
+    streams_minibatches: bool = False
+    refills_continuously: bool = False
+    may_repack: bool = False
+    staleness_bound: int | None = None
+    bound_from_setting: bool = False
+
+    def __post_init__(self):
+        if not self.name or not self.name.isidentifier():
+            raise ValueError(f"ModeRules.name: expected an identifier, got {self.name!r}")
+        if self.staleness_bound is not None:
+            _check_version(f"ModeRules({self.name}).staleness_bound", self.staleness_bound)
+        if self.global_batches and self.staleness_bound is None:
+            raise ValueError(f"ModeRules({self.name}): global_batches needs a staleness_bound "
+                             "(batch k is generated on a version >= k - bound)")
+        if self.interrupts_on_publish and not self.refills_continuously:
+            raise ValueError(f"ModeRules({self.name}): interrupts_on_publish needs "
+                             "refills_continuously (AReaL's admission gates the refill)")
+
+    def bound(self, max_staleness: int | None = None) -> int | None:
+        """The staleness bound with setting `max_staleness` (None = not set)."""
+        if self.bound_from_setting and max_staleness is not None:
+            return max_staleness
+        return self.staleness_bound
+
+
+# One row per mode [P §2.3, §8]; MODES, Mode and the config schemas' Literals derive from it.
+MODE_RULES: dict[str, ModeRules] = {r.name: r for r in (
+    ModeRules("sync", global_batches=True, staleness_bound=0),
+    ModeRules("one_step", global_batches=True, staleness_bound=1),
+    ModeRules("stream", global_batches=True, streams_minibatches=True, staleness_bound=1,
+              bound_from_setting=True),
+    ModeRules("partial", interrupts_on_publish=True, refills_continuously=True,
+              bound_from_setting=True),
+    ModeRules("laminar", may_repack=True),
+)}
+MODES: tuple[str, ...] = tuple(MODE_RULES)
+Mode = Literal[MODES]  # type: ignore[valid-type]  # Literal["sync", ..., "laminar"], from the table
+
+
+def rules(mode: str) -> ModeRules:
+    """The ModeRules row of `mode` (read live, so a row added at run time is seen)."""
+    r = MODE_RULES.get(mode)
+    if r is None:
+        raise ValueError(f"mode: expected one of {', '.join(MODE_RULES)}, got {mode!r}")
+    return r
+
+
+def check_mode(mode: str) -> str:
+    """Returns `mode` or raises ValueError naming the valid modes."""
+    rules(mode)
+    return mode
 
 
 def staleness(learner_version: int, gen_version: int) -> int:
@@ -78,37 +145,29 @@ def staleness(learner_version: int, gen_version: int) -> int:
 def staleness_bound(mode: str, *, max_staleness: int | None = None) -> int | None:
     """The largest staleness `mode` allows; None when it is not bounded by a setting.
 
-    sync: 0. one_step: 1. stream: `max_staleness` (the paper's baseline uses 1; default 1).
-    partial: `max_staleness` (AReaL's eta; None = unbounded, as in the paper's throughput runs).
-    laminar: None (staleness emerges from generation latency [P §6]).
+    From the table: sync 0, one_step 1, stream `max_staleness` (default 1, the paper's
+    baseline), partial `max_staleness` (AReaL's eta; None = unbounded, as in the paper's
+    throughput runs), laminar None (staleness emerges from generation latency [P §6]).
     """
-    check_mode(mode)
+    r = rules(mode)
     if max_staleness is not None:
         _check_version("max_staleness", max_staleness)
-    if mode == "sync":
-        return 0
-    if mode == "one_step":
-        return 1
-    if mode == "stream":
-        return 1 if max_staleness is None else max_staleness
-    if mode == "partial":
-        return max_staleness
-    return None
+    return r.bound(max_staleness)
 
 
 def uses_global_batches(mode: str) -> bool:
     """Whether the fleet generates one global batch at a time, with a global weight sync."""
-    return check_mode(mode) in ("sync", "one_step", "stream")
+    return rules(mode).global_batches
 
 
 def interrupts_on_publish(mode: str) -> bool:
     """Whether a publish interrupts in-flight generation (partial rollout, mixed versions)."""
-    return check_mode(mode) == "partial"
+    return rules(mode).interrupts_on_publish
 
 
 def streams_minibatches(mode: str) -> bool:
     """Whether the learner starts mini-batches before its global batch has finished generating."""
-    return check_mode(mode) == "stream"
+    return rules(mode).streams_minibatches
 
 
 def may_start_batch(batch_index: int, weight_version: int, *, bound: int) -> bool:
@@ -170,7 +229,7 @@ def fresh_issue_limit(mode: str, *, next_position: int, weight_version: int,
                       max_staleness: int | None) -> int | None:
     """How many fresh items, from stream position `next_position` on, may go out now.
 
-    Global-batch modes: the consecutive positions whose batch k = position // global_batch may
+    Read from the mode's rules. Global-batch modes: the consecutive positions whose batch k = position // global_batch may
     be generated on `weight_version` (`may_start_batch` with the mode's bound), i.e. up to the
     end of batch weight_version + bound, and none while next_position's batch is older than
     weight_version. partial: the consecutive submissions `may_submit` allows at
@@ -182,14 +241,14 @@ def fresh_issue_limit(mode: str, *, next_position: int, weight_version: int,
     _check_version("learner_version", learner_version)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch: expected an int >= 1, got {global_batch!r}")
-    if mode == "laminar":
-        return None
-    if mode == "partial":
-        eta = staleness_bound(mode, max_staleness=max_staleness)
-        if eta is None:
-            return None
-        return max(0, (learner_version + eta + 1) * global_batch - next_position)
+    r = rules(mode)
     bound = staleness_bound(mode, max_staleness=max_staleness)
+    if r.interrupts_on_publish:      # AReaL's admission (may_submit), eta = bound
+        if bound is None:
+            return None
+        return max(0, (learner_version + bound + 1) * global_batch - next_position)
+    if not r.global_batches:         # trajectory-level (laminar): no issue limit
+        return None
     if batch_of(next_position, global_batch) < weight_version:
         return 0
     return max(0, (weight_version + bound + 1) * global_batch - next_position)
@@ -198,23 +257,23 @@ def fresh_issue_limit(mode: str, *, next_position: int, weight_version: int,
 def may_pull_weights(mode: str, *, in_flight: int, released: bool = False) -> bool:
     """May a rollout load newer weights now?
 
-    partial: at any time (the load interrupts and re-prefills in-flight work). Every other
-    mode: only between batches (nothing in flight) or once released by repack, so a
-    trajectory never spans versions.
+    Modes that interrupt on publish (partial): at any time (the load interrupts and
+    re-prefills in-flight work). Every other mode: only between batches (nothing in flight)
+    or once released by repack, so a trajectory never spans versions.
     """
-    check_mode(mode)
+    r = rules(mode)
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0:
         raise ValueError(f"in_flight: expected an int >= 0, got {in_flight!r}")
-    if mode == "partial":
+    if r.interrupts_on_publish:
         return True
     return in_flight == 0 or bool(released)
 
 
 def refills_continuously(mode: str) -> bool:
     """Whether a rollout takes new prompts while it still generates (partial rollout)."""
-    return check_mode(mode) == "partial"
+    return rules(mode).refills_continuously
 
 
 def repacks(mode: str, *, enabled: bool) -> bool:
-    """Whether the manager runs the repack plan: laminar only, when enabled."""
-    return check_mode(mode) == "laminar" and bool(enabled)
+    """Whether the manager runs the repack plan: modes that may repack (laminar), when enabled."""
+    return rules(mode).may_repack and bool(enabled)

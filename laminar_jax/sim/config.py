@@ -20,11 +20,11 @@ from laminar_jax.config_loader import check_at_least as _ints
 from laminar_jax.config_loader import check_non_negative as _nonneg
 from laminar_jax.config_loader import check_positive as _pos
 from laminar_jax.config_loader import require as _require
-from laminar_jax.manager.modes import MODES
+from laminar_jax.manager.modes import MODE_RULES, Mode
 
 __all__ = [
     "load_sim_config", "DecodeProfile", "TrainerModel", "WeightsModel", "ModelSpec", "LengthDist", "ToolSpec",
-    "WorkloadSpec", "ClusterSpec", "RepackSpec", "SystemSpec", "CellSpec", "FailureSpec",
+    "WorkloadSpec", "ClusterSpec", "RepackSpec", "SystemSpec", "CellSpec", "FailureSpec", "DataSpec",
     "RunSpec", "SimConfig",
 ]
 
@@ -286,6 +286,29 @@ class RepackSpec:
 
 
 @dataclass(frozen=True)
+class DataSpec:
+    """The experience buffer, with the runtime's keys and semantics (`laminar_jax.config.DataConfig`,
+    `laminar_jax.sim.buffer`).
+
+    buffer_groups: groups the buffer holds (None = one global batch, global_batch /
+    group_size). buffer_when_full: "block" (back-pressure: a rollout keeps a refused group and
+    takes no new prompts until it is delivered), "drop_oldest", "drop_stalest" (smallest
+    gen_version) or an import path "pkg.module:Factory", as in the runtime.
+    """
+
+    buffer_groups: int | None = None
+    buffer_when_full: str = "block"
+
+    def __post_init__(self):
+        _require(self.buffer_groups is None or (isinstance(self.buffer_groups, int)
+                                                and self.buffer_groups >= 1),
+                 "buffer_groups", self.buffer_groups, "null or an int >= 1")
+        _require(self.buffer_when_full in ("block", "drop_oldest", "drop_stalest")
+                 or ":" in self.buffer_when_full, "buffer_when_full", self.buffer_when_full,
+                 "block, drop_oldest, drop_stalest or 'package.module:Factory'")
+
+
+@dataclass(frozen=True)
 class SystemSpec:
     """A system to simulate: scheduling mode, rollout TP and engine limits, toggles.
 
@@ -301,7 +324,7 @@ class SystemSpec:
     """
 
     name: str
-    mode: Literal["sync", "one_step", "stream", "partial", "laminar"]
+    mode: Mode                      # the modes of manager.modes.MODE_RULES
     rollout_tp: int = 1
     colocated: bool = False
     max_num_seqs: int = 1024
@@ -314,14 +337,16 @@ class SystemSpec:
 
     def __post_init__(self):
         _require(bool(self.name.strip()), "name", self.name, "a non-empty string")
-        _require(self.weight_transfer == "nccl" or self.mode == "partial", "weight_transfer",
-                 self.weight_transfer, "'nccl' unless mode is 'partial'")
-        _require(self.mode in MODES, "mode", self.mode, f"one of {MODES}")
+        _require(self.mode in MODE_RULES, "mode", self.mode, f"one of {tuple(MODE_RULES)}")
+        rules = MODE_RULES[self.mode]
+        _require(self.weight_transfer == "nccl" or rules.interrupts_on_publish, "weight_transfer",
+                 self.weight_transfer, "'nccl' unless the mode interrupts on publish (partial)")
         _ints(self, 1, "rollout_tp", "max_num_seqs", "max_concurrency")
-        _require(not self.colocated or self.mode == "sync", "colocated", self.colocated,
-                 "false unless mode is 'sync'")
-        _require(not self.repack or self.mode == "laminar", "repack", self.repack,
-                 "false unless mode is 'laminar'")
+        _require(not self.colocated or (rules.global_batches and rules.bound() == 0),
+                 "colocated", self.colocated,
+                 "false unless the mode has global batches of staleness 0 (sync)")
+        _require(not self.repack or rules.may_repack, "repack", self.repack,
+                 "false unless the mode may repack (laminar)")
         _require(self.max_staleness is None or self.max_staleness >= 0, "max_staleness",
                  self.max_staleness, "None or an int >= 0")
 
@@ -363,7 +388,11 @@ class RunSpec:
     """How long to run and what to write.
 
     Throughput is averaged over `measure_steps` learner updates after `warmup_steps`
-    [P §8: 5 after 10]. The run also stops at max_trajectories or max_time_s of simulated time.
+    [P §8: 5 after 10]. Reaching max_trajectories (generated) or max_time_s (simulated) first
+    is an error naming the cap and the cell (`engine.CapReached`), never a NaN throughput.
+    write: what each cell leaves under out_dir: "full" (metrics, every consumed trajectory,
+    every event), "summary" (metrics.parquet and the summary event), "none"; true / false
+    mean full / none.
     only_systems / only_accelerators pick a subset of the cells (empty = all).
     """
 
@@ -375,7 +404,7 @@ class RunSpec:
     max_time_s: float = 1e7
     sample_interval_s: float = 10.0
     out_dir: str = "runs/sim"
-    write: bool = True
+    write: bool | Literal["none", "summary", "full"] = "full"
     only_systems: tuple[str, ...] = ()
     only_accelerators: tuple[int, ...] = ()
 
@@ -385,6 +414,10 @@ class RunSpec:
         _require(self.global_batch % self.mini_batch == 0, "mini_batch", self.mini_batch,
                  f"a divisor of global_batch ({self.global_batch})")
         _pos(self, "max_time_s", "sample_interval_s")
+        if isinstance(self.write, bool):
+            object.__setattr__(self, "write", "full" if self.write else "none")
+        _require(self.write in ("none", "summary", "full"), "write", self.write,
+                 "none, summary or full (or true / false)")
 
 
 @dataclass(frozen=True)
@@ -399,6 +432,7 @@ class SimConfig:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     repack: RepackSpec = field(default_factory=RepackSpec)
+    data: DataSpec = field(default_factory=DataSpec)
     run: RunSpec = field(default_factory=RunSpec)
     failures: tuple[FailureSpec, ...] = ()
     tolerance: float = 0.25
@@ -412,6 +446,11 @@ class SimConfig:
         _require(len(names) >= 1 and len(set(names)) == len(names), "systems", names,
                  "at least one system, unique names")
         _require(len(self.cells) >= 1, "cells", self.cells, "at least one cell")
+        need = self.run.global_batch // self.workload.group_size
+        _require(self.data.buffer_groups is None or self.data.buffer_groups >= need,
+                 "data.buffer_groups", self.data.buffer_groups,
+                 f"null or at least one global batch ({self.run.global_batch} / group_size "
+                 f"{self.workload.group_size} = {need} groups): the learner takes a whole batch")
         for i, c in enumerate(self.cells):
             _require(c.system in names, "cells", f"cells[{i}].system={c.system!r}",
                      f"a system name from {names}")
@@ -426,6 +465,11 @@ class SimConfig:
             else:
                 _require(c.train + c.rollout == c.accelerators, "cells", f"cells[{i}]",
                          "train + rollout == accelerators")
+            rules = MODE_RULES[system.mode]
+            if rules.global_batches:
+                _require(self.data.buffer_when_full == "block", "data.buffer_when_full",
+                         f"{self.data.buffer_when_full!r} with {c.system!r}",
+                         "block for a global-batch mode (a global batch cannot lose groups)")
             sp = (system.trainer or self.model.trainer).sp
             _require(c.train >= sp, "cells", f"cells[{i}].train={c.train}",
                      f"at least the trainer's sp ({sp}) accelerators")
@@ -435,6 +479,12 @@ class SimConfig:
             if s.name == name:
                 return s
         raise ValueError(f"systems: no system named {name!r}")
+
+    def buffer_capacity(self) -> int:
+        """data.buffer_groups, or one global batch of groups when it is null."""
+        if self.data.buffer_groups is not None:
+            return self.data.buffer_groups
+        return self.run.global_batch // self.workload.group_size
 
     def selected_cells(self) -> tuple[CellSpec, ...]:
         cells = self.cells

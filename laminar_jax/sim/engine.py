@@ -17,13 +17,24 @@ import numpy as np
 
 from laminar_jax.manager import modes
 from laminar_jax.sim import models
+from laminar_jax.sim.buffer import SimBuffer
 from laminar_jax.sim.config import CellSpec, SimConfig
 from laminar_jax.sim.rollout import Rollout, TrajStore
 from laminar_jax.weights import chain
 
-__all__ = ["Sim"]
+__all__ = ["Sim", "CapReached"]
+
+
+class CapReached(RuntimeError):
+    """A simulated cell stopped at a cap (run.max_trajectories, run.max_time_s) or ran out of
+    events before its learner made the requested updates: its throughput would be meaningless,
+    so this is an error naming the cap and the cell instead of a NaN."""
 
 _GROUP_CHUNK = 256
+# steady-state check (Sim.steady_state): largest fitted drift over the measured updates of the
+# buffer occupancy (share of its capacity) and of the mean staleness (versions)
+STEADY_OCCUPANCY = 0.5
+STEADY_STALENESS = 1.0
 
 
 class Sim:
@@ -83,6 +94,7 @@ class Sim:
         self.publishes: list[tuple[int, float]] = []   # (version, time the master holds it)
         self.sync_time = models.global_sync_time(self.wm, cell.rollout)
         self.pull_time = models.pull_time(self.wm, tp)
+        self.weight_waits: list[float] = []            # request -> loaded, per pull (Fig 14)
 
         # learner
         self.version = 0
@@ -90,8 +102,11 @@ class Sim:
         self.learner_blocked_until = 0.0
         self.learner_busy_int = 0.0
         self._learner_t0 = 0.0
-        self.buffer: deque = deque()
-        self.consumed: list[tuple[int, int, float]] = []   # (traj, learner version, time)
+        self.buffer = SimBuffer(cfg.buffer_capacity(), cfg.data.buffer_when_full)
+        # consumed trajectories: id, learner version, time (parallel lists; `consumed` zips them)
+        self.consumed_ids: list[int] = []
+        self.consumed_versions: list[int] = []
+        self.consumed_times: list[float] = []
         self._step_tokens = 0
         self._step_trajs: list[int] = []
 
@@ -124,21 +139,35 @@ class Sim:
         target = run.warmup_steps + run.measure_steps
         for f in self.cfg.failures:
             self.push(f.time_s, self._fail, f)
-        self.push(0.0, self._sample)
+        if run.write != "summary":     # KV samples are only written by run.write=full
+            self.push(0.0, self._sample)
         self.policy.start()
         heap = self._heap
         pop = heapq.heappop
+        gs = self.gs
+        max_t, max_n = run.max_time_s, run.max_trajectories
         while heap and not self.stopped:
             t, _, fn, arg = pop(heap)
             self.now = t
             fn(arg)
             if len(self.steps) >= target:
-                break
-            if t > run.max_time_s or len(self.ts) > run.max_trajectories:
-                self.log("stopped", reason="max_time_s" if t > run.max_time_s
-                         else "max_trajectories")
-                break
+                return self
+            if t > max_t:
+                self._cap("run.max_time_s", f"{max_t:g} s of simulated time")
+            if self._next_group * gs > max_n:
+                self._cap("run.max_trajectories", f"{max_n:,} generated trajectories")
+        if len(self.steps) < target:
+            self._cap("the event queue", "no event left (the modes' rules deadlocked)")
         return self
+
+    def _cap(self, cap: str, what: str) -> None:
+        self.log("stopped", reason=cap)
+        c = self.cell
+        raise CapReached(
+            f"cell {c.system}@{c.accelerators} ({self.mode}, train {c.train} / rollout "
+            f"{c.rollout}): stopped at {cap} ({what}) after {len(self.steps)} of "
+            f"{self.cfg.run.warmup_steps + self.cfg.run.measure_steps} learner updates, "
+            f"t = {self.now:,.0f} s; raise {cap} or shorten the run")
 
     # ------------------------------------------------------------------ workload
     def _new_groups(self, count: int) -> None:
@@ -151,6 +180,11 @@ class Sim:
             p = int(prompts[g * self.gs])   # one prompt per group
             self.ts.add_group([p] * self.gs, resp[sl].tolist(), tools[sl])
             self.group_left.append(self.gs)
+
+    @property
+    def issued(self) -> int:
+        """Trajectories handed to rollouts so far (fresh groups x group size)."""
+        return self._next_group * self.gs
 
     def take_groups(self, count: int) -> list[int]:
         """The next `count` fresh prompt groups' trajectory ids (group-major)."""
@@ -252,33 +286,53 @@ class Sim:
     def _complete(self, i: int) -> None:
         ts = self.ts
         ts.finish_t[i] = self.now
+        r_idx = ts.where[i]
         ts.where[i] = -1
         g = ts.group[i]
         self.group_left[g] -= 1
         if self.group_left[g] == 0:
-            self.policy.on_group_done(g)
+            self.policy.on_group_done(g, r_idx)
 
     # ------------------------------------------------------------------ relays / weights
     def chain_position(self, machine: int) -> int:
         """Position of `machine`'s relay in the broadcast chain (0 = master)."""
         return self._chain_pos[machine]
 
-    def relay_version(self, r: Rollout) -> int:
-        """Newest version complete at r's local relay now (chain time model, App. D)."""
+    def _relay_arrival(self, r: Rollout) -> float | None:
         pos = self._chain_pos.get(r.machine)
         if pos is None:
-            return r.version
-        p = len(self.chain)
-        key = (pos, p)
+            return None
+        key = (pos, len(self.chain))
         arr = self._arrival_cache.get(key)
         if arr is None:
-            arr = models.relay_arrival(self.wm, pos, p)
+            arr = models.relay_arrival(self.wm, pos, len(self.chain))
             self._arrival_cache[key] = arr
+        return arr
+
+    def relay_version(self, r: Rollout) -> int:
+        """Newest version complete at r's local relay now (chain time model, App. D)."""
+        arr = self._relay_arrival(r)
+        if arr is None:
+            return r.version
         join = self.relay_join[r.machine]
         for v, t in reversed(self.publishes):
             if max(t, join) + arr <= self.now:
                 return v
         return 0
+
+    def newest_version(self, r: Rollout) -> tuple[int, float]:
+        """(newest version the master relay holds now, when it is complete at r's relay).
+
+        A rollout asking for weights gets this version, waiting for it while it still travels
+        down the chain [P §4, Fig 14: the mean wait exceeds the relay-to-GPU load]."""
+        arr = self._relay_arrival(r)
+        if arr is None:
+            return r.version, self.now
+        join = self.relay_join[r.machine]
+        for v, t in reversed(self.publishes):
+            if t <= self.now:
+                return v, max(t, join) + arr
+        return 0, self.now
 
     # ------------------------------------------------------------------ learner
     def start_train(self, ids: list[int], duration: float, *, final: bool = True) -> None:
@@ -286,10 +340,17 @@ class Sim:
         self.learner_busy = True
         self._learner_t0 = self.now
         v = self.version
-        for i in ids:
-            self.consumed.append((i, v, self.now))
-            self._step_trajs.append((i, v))
+        n = len(ids)
+        self.consumed_ids.extend(ids)
+        self.consumed_versions.extend([v] * n)
+        self.consumed_times.extend([self.now] * n)
+        self._step_trajs.extend(zip(ids, [v] * n))
         self.push(self.now + duration, self._train_done, final)
+
+    @property
+    def consumed(self) -> list[tuple[int, int, float]]:
+        """(trajectory id, learner version, time) of every consumed trajectory, in order."""
+        return list(zip(self.consumed_ids, self.consumed_versions, self.consumed_times))
 
     def _train_done(self, final: bool) -> None:
         self.learner_busy = False
@@ -378,8 +439,10 @@ class Sim:
         stats = self.interval_stats(self._snap, snap)
         self._snap = snap
         gv = self.ts.gen_version
-        stale = np.fromiter((modes.staleness(v, gv[i]) for i, v in pairs), dtype=np.int64,
-                            count=len(pairs))
+        stale = np.fromiter((v - gv[i] for i, v in pairs), dtype=np.int64, count=len(pairs))
+        if stale.size and stale.min() < 0:       # modes.staleness raises, naming the bug
+            i, v = pairs[int(np.argmin(stale))]
+            modes.staleness(v, gv[i])
         dt = self.now - prev_t
         self.steps.append({
             "step": len(self.steps) + 1,
@@ -391,6 +454,8 @@ class Sim:
             "throughput": tokens / dt if dt > 0 else float("nan"),
             "staleness_mean": float(stale.mean()) if stale.size else float("nan"),
             "staleness_max": int(stale.max()) if stale.size else 0,
+            "buffer_groups": len(self.buffer),
+            "held_groups": len(self.buffer.held),
             **stats,
         })
         self.log("publish", version=self.version)
@@ -404,13 +469,14 @@ class Sim:
         alive = [r for r in self.rollouts if r.alive]
         if alive:
             use = np.array([r.kv() / r.cap for r in alive])
+            p10, p90 = np.percentile(use, (10, 90))
             self.kv_samples.append({
                 "time": self.now,
                 "gen_tokens_per_s": (gen - prev_gen) / (self.now - prev_t)
                 if self.now > prev_t else 0.0,
                 "kv_use_mean": float(use.mean()),
-                "kv_use_p10": float(np.percentile(use, 10)),
-                "kv_use_p90": float(np.percentile(use, 90)),
+                "kv_use_p10": float(p10),
+                "kv_use_p90": float(p90),
                 "running": int(sum(r.n for r in alive)),
                 "waiting": int(sum(len(r.waiting) for r in alive)),
                 "alive_rollouts": len(alive),
@@ -471,12 +537,35 @@ class Sim:
             self.ts.where[i] = -1
         return list(ids)
 
+    def steady_state(self) -> dict:
+        """Whether the measured updates are a steady state, not a filling pipeline.
+
+        Over the measured updates (after warm-up), fit a line to the buffer occupancy (buffered
+        + held groups, at each update) and to the mean staleness per update. Steady iff the
+        occupancy's fitted drift over the window stays within STEADY_OCCUPANCY of the buffer
+        capacity and the staleness drift within STEADY_STALENESS versions: a buffer growing
+        without bound, or staleness rising by about one per update, fails both.
+        """
+        meas = self.steps[self.cfg.run.warmup_steps:]
+        cap = self.buffer.capacity
+        if len(meas) < 2:
+            return {"steady": len(meas) == 1, "occupancy_drift": 0.0, "staleness_drift": 0.0}
+        x = np.arange(len(meas), dtype=np.float64)
+        occ = np.array([s["buffer_groups"] + s["held_groups"] for s in meas], np.float64)
+        stale = np.array([s["staleness_mean"] for s in meas], np.float64)
+        span = float(x[-1])
+        occ_drift = float(np.polyfit(x, occ, 1)[0]) * span / cap
+        stale_drift = float(np.polyfit(x, stale, 1)[0]) * span
+        steady = abs(occ_drift) <= STEADY_OCCUPANCY and abs(stale_drift) <= STEADY_STALENESS
+        return {"steady": bool(steady), "occupancy_drift": occ_drift,
+                "staleness_drift": stale_drift}
+
     def summary(self) -> dict:
         """Throughput and idle over the measured steps (after warm-up) [P §8 metric]."""
         w = self.cfg.run.warmup_steps
         meas = self.steps[w:]
         if not meas:
-            return {"throughput": float("nan"), "steps": len(self.steps)}
+            return {"throughput": float("nan"), "steps": len(self.steps), "steady": False}
         out = {"throughput": float(np.mean([s["throughput"] for s in meas])),
                "steps": len(self.steps), "measured_steps": len(meas),
                "iteration_s": float(np.mean([s["iteration_s"] for s in meas]))}
@@ -485,4 +574,10 @@ class Sim:
             vals = [s[key] for s in meas if not math.isnan(s[key])]
             out[key] = float(np.mean(vals)) if vals else float("nan")
         out["staleness_max"] = int(max(s["staleness_max"] for s in meas))
+        out["buffer_groups_mean"] = float(np.mean([s["buffer_groups"] for s in meas]))
+        out["held_groups_mean"] = float(np.mean([s["held_groups"] for s in meas]))
+        out["evicted_groups"] = len(self.buffer.evicted)
+        out["weight_wait_s"] = (float(np.mean(self.weight_waits)) if self.weight_waits
+                                else float("nan"))
+        out.update(self.steady_state())
         return out

@@ -31,7 +31,6 @@ class GlobalBatch(Policy):
         self.syncing = False
         self.active: set[int] = set()
         self.fleet_version = 0
-        self.ready: dict[int, list[int]] = {}
         self.generated_k = -1
         self.batch_of: dict[int, int] = {}
         self.mb_next = 0
@@ -52,7 +51,6 @@ class GlobalBatch(Policy):
         ids = sim.take_trajectories(sim.B)
         for i in ids[:: sim.gs]:
             self.batch_of[sim.ts.group[i]] = k
-        self.ready[k] = []
         self.k_gen = k
         self.generating = True
         self.active = set()
@@ -79,9 +77,13 @@ class GlobalBatch(Policy):
         self._try_gen()
         self.try_train()
 
-    def on_group_done(self, g):
-        k = self.batch_of.pop(g)
-        self.ready[k].extend(self.sim.ts.group_members[g])
+    def group_tag(self, g) -> int:
+        return self.batch_of.pop(g)
+
+    def on_group_done(self, g, r_idx):
+        """The group joins the buffer labelled with its global batch (the runtime's
+        BatchSampler picks by batch); stream may train a mini-batch at once."""
+        self.deliver(g, r_idx)
         if self.stream:
             self.try_train()
 
@@ -120,38 +122,45 @@ class GlobalBatch(Policy):
         if not self.learner_free():
             return
         k = sim.version
-        q = self.ready.get(k)
-        if q is None:
+        if k > self.k_gen:
             return
         if self.stream:
-            self._train_minibatch(k, q)
+            self._train_minibatch(k)
             return
-        if k > self.generated_k or len(q) < sim.B:
+        if k > self.generated_k:
             return
+        recs = sim.buffer.take_tagged(k, sim.B // sim.gs)
+        if recs is None:
+            return
+        q = self.group_ids(recs)
         dur = self.update_time(q)
         if self.colocated:
             dur += sim.cfg.cluster.colocate_switch_s
-        del self.ready[k]
         sim.start_train(q, dur)
+        self.taken()
 
-    def _train_minibatch(self, k: int, q: list[int]) -> None:
+    def _train_minibatch(self, k: int) -> None:
         """stream: the next mini-batch of batch k, once enough of its groups are done."""
         sim = self.sim
         mb = sim.cfg.run.mini_batch
         start = self.mb_next * mb
-        if len(q) < start + mb:
+        if mb % sim.gs:
+            raise ValueError(f"run.mini_batch {mb} is not a multiple of workload.group_size "
+                             f"{sim.gs}: stream trains whole groups")
+        recs = sim.buffer.take_tagged(k, mb // sim.gs)
+        if recs is None:
             return
         final = start + mb >= sim.B
-        ids = q[start:start + mb]
+        ids = self.group_ids(recs)
         dur = models.minibatch_time(sim.trajectory_tokens(ids), accelerators=sim.cell.train,
                                     model=sim.tm)
         if final:
             dur += sim.tm.step_overhead_s
             self.mb_next = 0
-            del self.ready[k]
         else:
             self.mb_next += 1
         sim.start_train(ids, dur, final=final)
+        self.taken()
 
     def on_train_done(self, final):
         self.try_train()

@@ -52,27 +52,43 @@ class Laminar(Policy):
             r.phase = "wait"
             self._check_barrier()
             return
-        v = sim.relay_version(r) if self.relays else r.version
+        if r.held:                 # back-pressure: no new prompts until its groups are in
+            r.phase = "blocked"
+            return
+        if not self.relays:
+            self._start_batch(r)
+            return
+        v, ready = sim.newest_version(r)
         if v > r.version:
+            # the version may still travel down the chain: wait for it, then load it
             r.phase = "pull"
-            sim.push(sim.now + sim.pull_time, self._pull_done, (r, v))
+            sim.push(max(ready, sim.now) + sim.pull_time, self._pull_done, (r, v, sim.now))
         else:
             self._start_batch(r)
 
     def _pull_done(self, arg) -> None:
-        r, v = arg
+        r, v, asked = arg
         if not r.alive or r.phase != "pull":
             return
         r.version = v
-        self.sim.log("pull", rollout=r.idx, version=v)
+        wait = self.sim.now - asked
+        self.sim.weight_waits.append(wait)
+        self.sim.log("pull", rollout=r.idx, version=v, wait_s=wait)
         self._start_batch(r)
 
     def _start_batch(self, r) -> None:
+        if r.held:
+            r.phase = "blocked"
+            return
         r.phase = "run"
         self.sim.assign(r, self.sim.take_trajectories(self.system.max_concurrency))
 
     def on_drained(self, r):
         if r.phase == "run":
+            self.next_batch(r)
+
+    def on_unblocked(self, r):
+        if r.phase == "blocked":
             self.next_batch(r)
 
     # ---------------------------------------------------------------- learner (FIFO, the base's)
@@ -96,7 +112,7 @@ class Laminar(Policy):
     def _check_barrier(self) -> None:
         if self.pending is None or self.barrier:
             return
-        if all(r.phase == "wait" for r in self.alive_rollouts()):
+        if all(r.phase in ("wait", "blocked") for r in self.alive_rollouts()):
             self.barrier = True
             self.sim.push(self.sim.now + self.sim.sync_time, self._barrier_done)
 

@@ -31,7 +31,7 @@ class Partial(Policy):
 
     def __init__(self, sim):
         super().__init__(sim)
-        self.eta = modes.staleness_bound("partial", max_staleness=self.system.max_staleness)
+        self.eta = modes.staleness_bound(sim.mode, max_staleness=self.system.max_staleness)
         self.submitted = 0
 
     def start(self):
@@ -43,7 +43,7 @@ class Partial(Policy):
 
     def refill(self, r):
         sim = self.sim
-        if not r.alive or r.phase != "run":
+        if not r.alive or r.phase != "run" or r.held:   # held: back-pressure, no new prompts
             return
         room = self.system.max_concurrency - r.unfinished()
         ts = sim.ts
@@ -55,6 +55,11 @@ class Partial(Policy):
             r.waiting.extend(ids)
             self.submitted += len(ids)
             room -= len(ids)
+
+    def on_unblocked(self, r):
+        self.refill(r)
+        self.sim.admit(r)
+        self.sim.reschedule(r)
 
     # ---------------------------------------------------------------- learner (FIFO, the base's)
     def on_train_done(self, final):

@@ -23,10 +23,12 @@ __all__ = ["make_policy", "Policy", "GlobalBatch", "Partial", "Laminar"]
 
 
 def make_policy(sim) -> Policy:
-    """The policy of `sim.mode`."""
-    mode = sim.mode
-    if modes.uses_global_batches(mode):
+    """The policy of `sim.mode`, chosen by its `modes.ModeRules` row: global batches ->
+    GlobalBatch (any staleness bound), interrupts on publish -> Partial, otherwise
+    trajectory-level -> Laminar."""
+    r = modes.rules(sim.mode)
+    if r.global_batches:
         return GlobalBatch(sim)
-    if modes.refills_continuously(mode):
+    if r.interrupts_on_publish:
         return Partial(sim)
     return Laminar(sim)

@@ -27,8 +27,10 @@ def split_evenly(ids, rollouts: list) -> list[tuple[object, list[int]]]:
 class Policy:
     """Base of the mode policies. Hooks the core calls:
 
-    start() once; on_drained(r) when rollout r has nothing left; on_group_done(g) when every
-    trajectory of prompt group g has finished; on_train_done(final) after a learner update (or
+    start() once; on_drained(r) when rollout r has nothing left; on_group_done(g, r) when every
+    trajectory of prompt group g has finished (the last one on rollout index r), which delivers
+    it to the buffer (`deliver`); on_unblocked(r) when the last group rollout r held because
+    the buffer was full has been delivered; on_train_done(final) after a learner update (or
     a mini-batch when final is False); refill(r) after each rollout event in modes that refill
     continuously; on_fail(dead, orphans, sleeping) when a machine dies with its rollouts, their
     running / waiting and tool-call trajectories; on_recover(back) when its rollouts return.
@@ -46,11 +48,39 @@ class Policy:
     def on_fail(self, dead, orphans, sleeping) -> None: raise NotImplementedError
     def on_recover(self, back) -> None: raise NotImplementedError
 
-    def on_group_done(self, g) -> None:
-        """Default (trajectory-level modes): the group joins the FIFO buffer, the learner may
-        start."""
-        self.to_buffer(g)
+    def on_group_done(self, g, r_idx: int) -> None:
+        """Deliver the finished group; the learner may start."""
+        self.deliver(g, r_idx)
         self.try_train()
+
+    def on_unblocked(self, r) -> None: pass
+
+    def group_tag(self, g) -> int:
+        """The buffer label of group g (global batch index in the global-batch modes)."""
+        return -1
+
+    def deliver(self, g, r_idx: int) -> bool:
+        """Group g into the buffer (data.buffer_groups / buffer_when_full); a refused group is
+        held by its rollout, which then takes no new prompts (back-pressure)."""
+        sim = self.sim
+        gv = sim.ts.gen_version
+        rec = sim.buffer.record(g, min(gv[i] for i in sim.ts.group_members[g]), self.group_tag(g))
+        if sim.buffer.deliver(rec, r_idx):
+            return True
+        if r_idx >= 0:
+            sim.rollouts[r_idx].held += 1
+        return False
+
+    def taken(self) -> None:
+        """The learner took groups: retry the held ones; rollouts left with none resume."""
+        sim = self.sim
+        for _, r_idx in sim.buffer.retry():
+            if r_idx < 0:
+                continue
+            r = sim.rollouts[r_idx]
+            r.held -= 1
+            if r.held == 0 and r.alive:
+                self.on_unblocked(r)
 
     def try_train(self) -> None:
         self.train_fifo()
@@ -80,17 +110,24 @@ class Policy:
         return models.train_time(sim.trajectory_tokens(ids), accelerators=sim.cell.train,
                                  model=sim.tm, mini_batch=sim.cfg.run.mini_batch)
 
-    def to_buffer(self, g) -> None:
-        """Group g is complete: its trajectories join the experience buffer (FIFO)."""
-        self.sim.buffer.extend(self.sim.ts.group_members[g])
+    def group_ids(self, recs) -> list[int]:
+        members = self.sim.ts.group_members
+        out = []
+        for rec in recs:
+            out.extend(members[rec.group])
+        return out
 
     def train_fifo(self) -> None:
         """Consume one global batch FIFO from the experience buffer when it holds one."""
         sim = self.sim
-        if not self.learner_free() or len(sim.buffer) < sim.B:
+        if not self.learner_free():
             return
-        ids = [sim.buffer.popleft() for _ in range(sim.B)]
+        recs = sim.buffer.take_fifo(sim.B // sim.gs)
+        if recs is None:
+            return
+        ids = self.group_ids(recs)
         sim.start_train(ids, self.update_time(ids))
+        self.taken()
 
     # ---------------------------------------------------------------- rollouts
     def alive_rollouts(self, phase: str | None = None) -> list:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import pathlib
 
 import numpy as np
@@ -51,11 +52,40 @@ class CellResult:
     steps: int
     trajectories: int
     sim_time_s: float
+    steady: bool = True
+    occupancy_drift: float = 0.0
+    staleness_drift: float = 0.0
+    buffer_groups_mean: float = 0.0
+    held_groups_mean: float = 0.0
+    evicted_groups: int = 0
+    weight_wait_s: float = float("nan")
     run_dir: str | None = None
 
     @property
     def ratio(self) -> float:
         return self.throughput / self.paper if self.paper else float("nan")
+
+    @property
+    def reported(self) -> float:
+        """The throughput to report: NaN for a cell without a steady state (`Sim.steady_state`),
+        whose number would be a filling pipeline's, not the system's."""
+        return self.throughput if self.steady else float("nan")
+
+
+def consumed_arrays(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(trajectory ids, consuming learner versions, consume times) of every consumed trajectory."""
+    return (np.asarray(sim.consumed_ids, np.int64), np.asarray(sim.consumed_versions, np.int64),
+            np.asarray(sim.consumed_times, np.float64))
+
+
+def staleness_of(sim, ids: np.ndarray, versions: np.ndarray) -> np.ndarray:
+    """learner version at consumption - gen_version, vectorised `modes.staleness` (same check:
+    a trajectory from weights newer than its consumer is a bookkeeping bug)."""
+    stale = versions - np.asarray(sim.ts.gen_version, np.int64)[ids]
+    if stale.size and stale.min() < 0:
+        bad = int(np.argmin(stale))
+        modes.staleness(int(versions[bad]), int(sim.ts.gen_version[ids[bad]]))   # raises
+    return stale
 
 
 def staleness_histogram(sim, *, measured_only: bool = True) -> dict[int, int]:
@@ -63,12 +93,10 @@ def staleness_histogram(sim, *, measured_only: bool = True) -> dict[int, int]:
     first = 0
     if measured_only and sim.cfg.run.warmup_steps and len(sim.steps) > sim.cfg.run.warmup_steps:
         first = sum(s["trajectories"] for s in sim.steps[: sim.cfg.run.warmup_steps])
-    gv = sim.ts.gen_version
-    hist: dict[int, int] = {}
-    for i, v, _ in sim.consumed[first:]:
-        s = modes.staleness(v, gv[i])
-        hist[s] = hist.get(s, 0) + 1
-    return dict(sorted(hist.items()))
+    ids, versions, _ = consumed_arrays(sim)
+    stale = staleness_of(sim, ids[first:], versions[first:])
+    counts = np.bincount(stale) if stale.size else np.zeros(0, np.int64)
+    return {int(k): int(c) for k, c in enumerate(counts) if c}
 
 
 def cell_result(sim, run_dir: str | None = None) -> CellResult:
@@ -85,41 +113,74 @@ def cell_result(sim, run_dir: str | None = None) -> CellResult:
         kv_use=s.get("kv_use", nan), gen_tokens_per_s=s.get("gen_tokens_per_s", nan),
         staleness_mean=s.get("staleness_mean", nan), staleness_max=s.get("staleness_max", 0),
         staleness_hist=staleness_histogram(sim), steps=len(sim.steps),
-        trajectories=len(sim.ts), sim_time_s=sim.now, run_dir=run_dir)
+        trajectories=sim.issued, sim_time_s=sim.now, steady=bool(s.get("steady", False)),
+        occupancy_drift=s.get("occupancy_drift", nan), staleness_drift=s.get("staleness_drift", nan),
+        buffer_groups_mean=s.get("buffer_groups_mean", nan),
+        held_groups_mean=s.get("held_groups_mean", nan),
+        evicted_groups=s.get("evicted_groups", 0), weight_wait_s=s.get("weight_wait_s", nan),
+        run_dir=run_dir)
 
 
-def _trajectory_rows(sim) -> list[dict]:
+def trajectory_columns(sim) -> dict[str, np.ndarray]:
+    """trajectories.parquet as columns: one entry per consumed trajectory, built from the
+    TrajStore lists with numpy gathers (no per-row dicts)."""
     ts = sim.ts
-    rows = []
-    for i, v, t in sim.consumed:
-        tools = ts.tools[i]
-        calls = 0 if tools is None else len(tools[0])
-        rows.append({
-            "id": i,
-            "group": ts.group[i],
-            "prompt_len": ts.prompt[i],
-            "response_len": ts.resp[i] + (0 if tools is None else calls * tools[2]),
-            "tool_calls": calls,
-            "gen_version": ts.gen_version[i],
-            "learner_version": v,
-            "staleness": modes.staleness(v, ts.gen_version[i]),
-            "rollout": ts.first_rollout[i],
-            "repacks": ts.repacks[i],
-            "preemptions": ts.preempts[i],
-            "versions": ts.versions[i],
-            "start_time": ts.start_t[i],
-            "finish_time": ts.finish_t[i],
-            "consume_time": t,
-            "latency_s": ts.finish_t[i] - ts.start_t[i],
-        })
-    return rows
+    ids, versions, times = consumed_arrays(sim)
+    if not ids.size:
+        gather = lambda values: ()                      # noqa: E731
+    elif ids.size == 1:
+        gather = lambda values: (values[int(ids[0])],)  # noqa: E731
+    else:
+        gather = operator.itemgetter(*sim.consumed_ids)   # one C call per column
+
+    def col(values, dtype):
+        return np.asarray(gather(values), dtype)
+
+    tools = gather(ts.tools)
+    calls = np.fromiter((0 if t is None else len(t[0]) for t in tools), np.int64,
+                        count=len(tools))
+    out_tokens = np.fromiter((0 if t is None else t[2] for t in tools), np.int64,
+                             count=len(tools))
+    start, finish = col(ts.start_t, np.float64), col(ts.finish_t, np.float64)
+    return {
+        "id": ids,
+        "group": col(ts.group, np.int64),
+        "prompt_len": col(ts.prompt, np.int64),
+        "response_len": col(ts.resp, np.int64) + calls * out_tokens,
+        "tool_calls": calls,
+        "gen_version": col(ts.gen_version, np.int64),
+        "learner_version": versions,
+        "staleness": staleness_of(sim, ids, versions),
+        "rollout": col(ts.first_rollout, np.int64),
+        "repacks": col(ts.repacks, np.int64),
+        "preemptions": col(ts.preempts, np.int64),
+        "versions": col(ts.versions, np.int64),
+        "start_time": start,
+        "finish_time": finish,
+        "consume_time": times,
+        "latency_s": finish - start,
+    }
 
 
-def write_run(sim, run_dir: str | pathlib.Path, *, tensorboard: bool = True) -> CellResult:
-    """Write one simulated cell as a run folder; returns its summary."""
+_RUN_FILES = ("metrics.parquet", "trajectories.parquet", "events.jsonl")
+
+
+def write_run(sim, run_dir: str | pathlib.Path, *, tensorboard: bool = True,
+              mode: str = "full") -> CellResult:
+    """Write one simulated cell as a run folder; returns its summary.
+
+    mode "full": metrics, every consumed trajectory, every event and KV sample. "summary":
+    metrics.parquet, config and the final summary event only (no trajectories.parquet, no
+    per-event lines). A folder left by an earlier simulation of the same cell is replaced
+    (its files, not the folder), so re-running a scenario does not append to old rows.
+    """
     from laminar_jax.metrics import RunWriter
 
+    if mode not in ("summary", "full"):
+        raise ValueError(f"run.write: expected summary or full, got {mode!r}")
     run_dir = pathlib.Path(run_dir)
+    for name in _RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
     config = {"sim": dump_config(sim.cfg), "cell": dataclasses.asdict(sim.cell),
               "system": dataclasses.asdict(sim.system)}
     result = cell_result(sim, str(run_dir))
@@ -127,13 +188,15 @@ def write_run(sim, run_dir: str | pathlib.Path, *, tensorboard: bool = True) -> 
         for row in sim.steps:
             w.log_step(row["step"], {("sim_time" if k == "time" else k): v
                                      for k, v in row.items() if k != "step"})
-        w.log_trajectories(_trajectory_rows(sim))
-        for ev in sim.events:
-            fields = {("sim_time" if k == "time" else k): v for k, v in ev.items() if k != "kind"}
-            w.log_event(ev["kind"], **fields)
-        for smp in sim.kv_samples:
-            w.log_event("kv_sample", **{("sim_time" if k == "time" else k): v
-                                        for k, v in smp.items()})
+        if mode == "full":
+            w.log_trajectory_columns(trajectory_columns(sim))
+            for ev in sim.events:
+                fields = {("sim_time" if k == "time" else k): v for k, v in ev.items()
+                          if k != "kind"}
+                w.log_event(ev["kind"], **fields)
+            for smp in sim.kv_samples:
+                w.log_event("kv_sample", **{("sim_time" if k == "time" else k): v
+                                            for k, v in smp.items()})
         summary = dataclasses.asdict(result)
         summary["staleness_hist"] = {str(k): v for k, v in result.staleness_hist.items()}
         w.log_event("summary", **summary)
@@ -154,7 +217,8 @@ def _fmt(x: float) -> str:
 
 
 def render_table(results: list[CellResult], *, title: str, tolerance: float):
-    """A rich Table: simulated vs paper throughput (x1e5 tokens/s), one row per system."""
+    """A rich Table: simulated vs paper throughput (x1e5 tokens/s), one row per system; a cell
+    without a steady state is marked unsteady (its number in brackets), not as a throughput."""
     from rich.table import Table
 
     scales, by_system = table_rows(results)
@@ -170,7 +234,11 @@ def render_table(results: list[CellResult], *, title: str, tolerance: float):
                 row.append("")
                 continue
             text = _fmt(r.throughput)
-            if r.paper:
+            if not r.steady:
+                text = f"[red]unsteady[/red] ({text})"
+                if r.paper:
+                    text += f" / {_fmt(r.paper)}"
+            elif r.paper:
                 ok = abs(r.ratio - 1.0) <= tolerance
                 colour = "green" if ok else "red"
                 text = f"{text} / {_fmt(r.paper)} [{colour}]({r.ratio:.2f})[/{colour}]"
@@ -198,7 +266,8 @@ def mean_ratio_error(results: list[CellResult]) -> float:
 
 def markdown_table(results: list[CellResult], *, tolerance: float) -> str:
     """The comparison as a Markdown table: `sim / paper (ratio)` in 1e5 tokens/s per cell;
-    a ratio outside 1 +- tolerance is marked with **bold**."""
+    a ratio outside 1 +- tolerance is marked with **bold**; a cell without a steady state
+    reads `unsteady (number)`, never a plain throughput."""
     scales, by_system = table_rows(results)
     lines = ["| system | " + " | ".join(f"{n}" for n in scales) + " |",
              "|---|" + "---|" * len(scales)]
@@ -208,6 +277,9 @@ def markdown_table(results: list[CellResult], *, tolerance: float) -> str:
             r = cells.get(n)
             if r is None:
                 row.append("")
+            elif not r.steady:
+                row.append(f"unsteady ({_fmt(r.throughput)})"
+                           + (f" / {_fmt(r.paper)}" if r.paper else ""))
             elif r.paper:
                 ratio = f"{r.ratio:.2f}"
                 if abs(r.ratio - 1.0) > tolerance:

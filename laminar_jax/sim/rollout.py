@@ -115,6 +115,7 @@ class Rollout:
         self.waiting: deque = deque()
         self.sleeping: set = set()          # in a tool call, still owned by this rollout
         self.incoming = 0                   # repacked trajectories on their way here
+        self.held = 0                       # finished groups the full buffer refused (block)
         self.resident: set = set()          # waiting with their KV cache already here (no prefill)
         self.epoch = 0                      # bumped on every reschedule (lazy event deletion)
         self.next_step = 0
@@ -152,13 +153,18 @@ class Rollout:
         if now > t0:
             limit = self.next_step - self.S
             if now >= self.next_time:
+                # the scheduled event: schedule() computed its time from this very state
                 s = limit
+                if s > 0:
+                    self.t_ref = self.next_time
+                    self.S += s
+                    self.gen_tokens += n * s
             else:
                 s = min(self.dm.steps_within(n, k0, now - t0), limit)
-            if s > 0:
-                self.t_ref += self.dm.steps_time(n, k0, s)
-                self.S += s
-                self.gen_tokens += n * s
+                if s > 0:
+                    self.t_ref += self.dm.steps_time(n, k0, s)
+                    self.S += s
+                    self.gen_tokens += n * s
         a = self.t_stat
         if now > a:
             if s > 0:
