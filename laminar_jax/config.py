@@ -77,6 +77,8 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"
     rollout_dtype: DType = "float32"
+    # models.attention: auto = cudnn on GPU, splash on TPU, blockwise (flash-style XLA) elsewhere
+    attention: Literal["auto", "blockwise", "cudnn", "splash", "naive"] = "auto"
 
     def __post_init__(self):
         _non_empty(self, "hf_path")
@@ -136,6 +138,11 @@ class LearnerConfig:
     max_seq_len: prompt + response tokens per packed row. logprob_chunk: sequence chunk of the
     log-prob computation (bounds the [chunk, vocab] logits held at once).
     recompute_prox: recompute prox_logp even when the loss does not need it (for metrics).
+    pack: first-fit-decreasing packing of trajectories into rows of max_seq_len (segment ids);
+    row counts come from a few buckets. Unpacked, a row is the batch's longest trajectory rounded
+    up to a length bucket: min_bucket * 2^k, capped at max_seq_len (runtime.batch).
+    remat: jax.checkpoint policy per decoder block (models.decoder.REMAT_POLICIES).
+    precompile: compile every bucket's train step in the background at start-up.
     """
 
     global_batch_groups: int = 8
@@ -144,9 +151,15 @@ class LearnerConfig:
     max_seq_len: int = 256
     logprob_chunk: int = 128
     recompute_prox: bool = False
+    pack: bool = False
+    min_bucket: int = 64
+    remat: Literal["none", "block", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                   "offload_dots"] = "none"
+    precompile: bool = True
 
     def __post_init__(self):
-        _at_least(self, 1, "global_batch_groups", "mini_batches", "max_seq_len", "logprob_chunk")
+        _at_least(self, 1, "global_batch_groups", "mini_batches", "max_seq_len", "logprob_chunk",
+                  "min_bucket")
         _at_least(self, 0, "micro_batch_size")
         _require(self.global_batch_groups % self.mini_batches == 0, "mini_batches",
                  self.mini_batches,

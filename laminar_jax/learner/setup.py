@@ -33,15 +33,22 @@ def model_config(model_section: Any) -> tuple[DecoderConfig, Any]:
     m = model_section
     if getattr(m, "hf_path", None):
         from laminar_jax.models.hf import load_pretrained
-        return load_pretrained(m.hf_path, param_dtype=m.param_dtype, dtype=m.dtype)
+        dcfg, params = load_pretrained(m.hf_path, param_dtype=m.param_dtype, dtype=m.dtype)
+        return dcfg.replace(attention=getattr(m, "attention", "auto")), params
     return DecoderConfig.from_model_section(m), None
 
 
 def build(cfg: Any, *, total_steps: int, lr: float | None = None,
-          rules: shd.Rules = shd.DEFAULT_RULES, remat: bool = False) -> LearnerSetup:
+          rules: shd.Rules = shd.DEFAULT_RULES, remat: bool | str | None = None) -> LearnerSetup:
     """Mesh from ``cfg.mesh``, model from ``cfg.model`` (seeded by ``cfg.run.seed`` when not
-    loaded), optimizer from ``cfg.optimizer`` over ``total_steps`` (``lr`` overrides its lr)."""
+    loaded), optimizer from ``cfg.optimizer`` over ``total_steps`` (``lr`` overrides its lr).
+    ``remat`` defaults to ``cfg.learner.remat``; ``model.attention`` is checked against the
+    backend here, before any step is traced."""
+    from laminar_jax.models.attention import resolve
     dcfg, host_params = model_config(cfg.model)
+    resolve(dcfg.attention)
+    if remat is None:
+        remat = getattr(getattr(cfg, "learner", None), "remat", "none")
     mesh = shd.mesh_from_config(cfg.mesh)
     seed = getattr(getattr(cfg, "run", None), "seed", 0)
     init_fn = lambda: Decoder(dcfg, rngs=nnx.Rngs(seed), remat=remat)  # noqa: E731

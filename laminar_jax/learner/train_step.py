@@ -16,6 +16,7 @@ optimizer state and step stay as they were), and the host wrapper then raises
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -139,6 +140,47 @@ def make_step_fn(loss_fn: LossFn, tx: optax.GradientTransformation, *,
     return step_fn
 
 
+def signature(tree: Any) -> Any:
+    """Hashable (structure, shapes, dtypes) of a pytree of arrays or ShapeDtypeStructs."""
+    return (jax.tree.structure(tree),
+            tuple((tuple(x.shape), str(np.dtype(x.dtype))) for x in jax.tree.leaves(tree)))
+
+
+class AheadOfTime:
+    """A jitted function plus executables compiled ahead of time for given input shapes.
+
+    `precompile(*abstract_args)` lowers and compiles (e.g. on a background thread while the
+    first rollouts generate); a call whose inputs have a precompiled signature runs that
+    executable, waiting up to `wait_s` for one still compiling; any other call goes through the
+    jit (which compiles a new signature once).
+    """
+
+    def __init__(self, jitted: Any, wait_s: float = 600.0):
+        self.jitted, self.wait_s = jitted, wait_s
+        self._exe: dict[Any, Any] = {}
+        self._pending: dict[Any, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def precompile(self, *args: Any) -> None:
+        key = signature(args)
+        with self._lock:
+            if key in self._exe or key in self._pending:
+                return
+            done = self._pending[key] = threading.Event()
+        try:
+            self._exe[key] = self.jitted.lower(*args).compile()
+        finally:
+            done.set()
+
+    def __call__(self, *args: Any) -> Any:
+        key = signature(args)
+        done = self._pending.get(key)
+        if done is not None and not done.wait(self.wait_s):
+            raise TimeoutError(f"ahead-of-time compile of a learner step did not finish in {self.wait_s:.0f} s")
+        exe = self._exe.get(key)
+        return exe(*args) if exe is not None else self.jitted(*args)
+
+
 class TrainStep:
     """Jitted, sharded, donating train step with the host-side non-finite check.
 
@@ -166,18 +208,26 @@ class TrainStep:
 
     def jitted(self, batch: Any):
         """The ``jax.jit`` object used for batches shaped like ``batch`` (for ``.lower``)."""
+        return self._aot(batch).jitted
+
+    def _aot(self, batch: Any) -> AheadOfTime:
         key = (jax.tree.structure(batch), tuple(np.ndim(x) for x in jax.tree.leaves(batch)))
         fn = self._jitted.get(key)
         if fn is None:
             batch_sh = shd.batch_shardings(batch, self.mesh, self.rules)
-            fn = jax.jit(self._step_fn, in_shardings=(self.state_shardings, batch_sh),
-                         out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
-                         donate_argnums=self._donate)
+            fn = AheadOfTime(jax.jit(self._step_fn, in_shardings=(self.state_shardings, batch_sh),
+                                     out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
+                                     donate_argnums=self._donate))
             self._jitted[key] = fn
         return fn
 
+    def precompile(self, state: Any, batch: Any) -> None:
+        """Compile the step for batches shaped like ``batch`` (arrays or ShapeDtypeStructs)
+        now, so the first real step of that shape does not compile."""
+        self._aot(batch).precompile(state, batch)
+
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        new_state, metrics = self.jitted(batch)(state, batch)
+        new_state, metrics = self._aot(batch)(state, batch)
         host = {k: (v.item() if np.ndim(v) == 0 else v) for k, v in jax.device_get(metrics).items()}
         if self.check_finite and not host["update_applied"]:
             raise NonFiniteLossError(int(host["step"]), host, new_state)

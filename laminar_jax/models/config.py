@@ -17,6 +17,8 @@ ARCHITECTURES = {
 }
 _HF_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 DTYPES = ("float32", "bfloat16", "float16")
+# models.attention.IMPLEMENTATIONS (repeated: this module imports no jax)
+ATTENTION = ("auto", "blockwise", "cudnn", "splash", "naive")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class DecoderConfig:
     qk_norm: bool = False
     param_dtype: str = "float32"
     dtype: str = "float32"
+    attention: str = "auto"  # implementation, not a shape: models.attention (model.attention)
 
     def __post_init__(self):
         if self.arch not in _HF_ARCH:
@@ -81,6 +84,8 @@ class DecoderConfig:
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError(
                 f"DecoderConfig: rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be > 0")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"DecoderConfig.attention: got {self.attention!r}, expected one of {ATTENTION}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"DecoderConfig.{name}: got {getattr(self, name)!r}, expected one of {DTYPES}")
@@ -131,7 +136,8 @@ class DecoderConfig:
         keeps the preset's); ``dtype`` overrides both dtypes (the rollout copy's)."""
         param_dtype, compute = (dtype, dtype) if dtype else (model.param_dtype, model.dtype)
         resize = {"vocab_size": model.vocab_size} if getattr(model, "vocab_size", 0) else {}
-        return cls.preset(model.preset, param_dtype=param_dtype, dtype=compute, **resize)
+        attention = getattr(model, "attention", "auto")
+        return cls.preset(model.preset, param_dtype=param_dtype, dtype=compute, attention=attention, **resize)
 
     # ------------------------------------------------------------------ Hugging Face config.json
     @classmethod

@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from laminar_jax.models import attention as A
 from laminar_jax.models import layers as L
 from laminar_jax.models.config import DecoderConfig
 
@@ -110,6 +111,30 @@ def reset_slots(cache: KVCache, slot_ids: jax.Array) -> KVCache:
     return cache._replace(lengths=cache.lengths.at[slot_ids].set(0))
 
 
+REMAT_POLICIES = ("none", "block", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "offload_dots")
+
+
+def remat_policy_name(remat: bool | str) -> str:
+    name = {True: "block", False: "none"}.get(remat, remat) if isinstance(remat, bool) else remat
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"learner.remat: got {remat!r}, expected one of {REMAT_POLICIES}")
+    return name
+
+
+def apply_remat(body, name: str):
+    """`body` under the named `jax.checkpoint` policy: "block" saves only the block's input,
+    "dots_saveable" also every matmul output, "dots_with_no_batch_dims_saveable" the weight
+    matmuls (not attention's batched ones), "offload_dots" moves those to host memory."""
+    cp = jax.checkpoint_policies
+    policies = {"block": None, "dots_saveable": cp.dots_saveable,
+                "dots_with_no_batch_dims_saveable": cp.dots_with_no_batch_dims_saveable,
+                "offload_dots": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}
+    if name == "none":
+        return body
+    return jax.checkpoint(body, policy=policies[name])
+
+
 def _block(cfg, p, x, cos, sin, attend_fn):
     """One pre-norm block; `attend_fn(q, k, v) -> attn` hides where keys come from."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
@@ -121,15 +146,17 @@ def _block(cfg, p, x, cos, sin, attend_fn):
 
 
 class Decoder(nnx.Module):
-    """Decoder-only LM. `Decoder(cfg, rngs=nnx.Rngs(0), remat=False)`.
+    """Decoder-only LM. `Decoder(cfg, rngs=nnx.Rngs(0), remat="none")`.
 
-    `remat=True` recomputes each block's activations in the backward pass (jax.checkpoint).
+    `remat` (`learner.remat`) names the `jax.checkpoint` policy applied to each block
+    (`REMAT_POLICIES`); `True` means "block" (recompute everything in the backward pass).
+    Attention is `cfg.attention` through `models.attention.attention`.
     """
 
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs | None = None, *, remat: bool = False):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs | None = None, *, remat: bool | str = "none"):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
-        self.remat = remat
+        self.remat = remat_policy_name(remat)
         pd = jnp.dtype(cfg.param_dtype)
         self.embedding = _param(_normal, rngs.params(), (cfg.vocab_size, cfg.hidden_size), pd, ("vocab", "embed"))
         self.layers = DecoderLayers(cfg, rngs)
@@ -165,15 +192,15 @@ class Decoder(nnx.Module):
         segment id 0 is padding. `segment_ids=None`: one unpadded sequence per row.
         """
         cfg = self.cfg
-        b, t = tokens.shape
-        mask = L.packed_causal_mask(segment_ids, b, t)
         cos, sin = L.rope_cos_sin(cfg, positions)
 
-        def body(x, p):
-            return _block(cfg, p, x, cos, sin, lambda q, k, v: (L.attend(q, k, v, mask), None))
+        def attend(q, k, v):
+            return A.attention(q, k, v, impl=cfg.attention, segment_ids=segment_ids), None
 
-        if self.remat:
-            body = jax.checkpoint(body)
+        def body(x, p):
+            return _block(cfg, p, x, cos, sin, attend)
+
+        body = apply_remat(body, self.remat)
         x, _ = jax.lax.scan(body, self._embed(tokens), self._layer_params())
         return self._final(x)
 
@@ -189,8 +216,6 @@ class Decoder(nnx.Module):
         cos, sin = L.rope_cos_sin(cfg, positions)
         # Invalid tokens get an out-of-range index; scatter mode="drop" then writes nothing.
         write_pos = jnp.where(valid, positions, max_len)
-        key_pos = jnp.arange(max_len, dtype=positions.dtype)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [S, T, max_len]
 
         slots = slot_ids[:, None]
 
@@ -205,7 +230,8 @@ class Decoder(nnx.Module):
                 vc = v_cache.at[i, slots, write_pos].set(v.astype(v_cache.dtype), mode="drop")
                 k_slot = kc[i, slot_ids].astype(q.dtype)
                 v_slot = vc[i, slot_ids].astype(q.dtype)
-                return L.attend(q, k_slot, v_slot, mask), (kc, vc)
+                out = A.attention(q, k_slot, v_slot, impl=cfg.attention, q_positions=positions)
+                return out, (kc, vc)
 
             x, (k_cache, v_cache) = _block(cfg, p, x, cos, sin, attend_cached)
             return (x, k_cache, v_cache), None
@@ -223,7 +249,7 @@ class Decoder(nnx.Module):
         return self._logits(hidden), cache
 
 
-def from_params(cfg: DecoderConfig, params, *, remat: bool = False) -> Decoder:
+def from_params(cfg: DecoderConfig, params, *, remat: bool | str = "none") -> Decoder:
     """A Decoder holding `params` (pure dict, numpy or jax leaves), without a random init."""
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0), remat=remat))
     graphdef, state = nnx.split(abstract, nnx.Param)

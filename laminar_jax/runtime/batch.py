@@ -1,7 +1,10 @@
 """Batch assembly: finished trajectories -> fixed-shape padded arrays for the learner step.
 
 One row per trajectory, prompt then response, right-padded to a length bucket (a power of two,
-at least `min_len`, at most `max_seq_len`), so the jitted step compiles once per bucket. Per-token
+at least `min_len`, at most `max_seq_len`: `length_buckets`), so the jitted step compiles once
+per bucket and the set of shapes is known up front. `pack` then lays a mini-batch out
+first-fit-decreasing into rows of `max_seq_len` (several segments per row, positions restarting
+at 0 in each), with a row count from `row_buckets`. Per-token
 arrays are aligned with `tokens`: position t of a row holds the log-prob, mask and staleness of
 token t, and `learner.logprobs.sequence_logprobs` gives the learner's log-prob of token t at the
 same position. Pure numpy: no jax, no Ray, no clock.
@@ -11,7 +14,10 @@ same position. Pure numpy: no jax, no Ray, no clock.
     behaviour_logp                  float32 [B, L] (engine raw log-prob of each response token)
     staleness                       float32 [B, L] (learner_version - version of each token)
     rewards                         float32 [B];  group_ids int32 [B] (0..num_groups-1)
-    response_len                    int32 [B]
+    response_len                    int32 [B]; valid float32 [B] (0: a padding row, no trajectory)
+
+Packed (`pack`), only the per-token arrays (and `advantages`, `prox_logp`, `ref_logp` when
+present) remain, as [R, max_seq_len] with segment ids 1..k inside each row.
 """
 from __future__ import annotations
 
@@ -20,6 +26,42 @@ from typing import Sequence
 import numpy as np
 
 from laminar_jax.data.records import Trajectory
+
+
+TOKEN_KEYS = ("tokens", "positions", "segment_ids", "response_mask", "behaviour_logp", "staleness",
+              "advantages", "prox_logp", "ref_logp")
+
+
+def length_buckets(max_len: int, min_len: int = 16) -> tuple[int, ...]:
+    """Every row length `bucket_len` can return: powers of two from min_len up, then max_len."""
+    out, n = [], 1 << (max(min_len, 1) - 1).bit_length()
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (max_len,)
+
+
+def row_buckets(num_trajectories: int, multiple: int = 1) -> tuple[int, ...]:
+    """Every packed row count `pack` can return for a mini-batch of `num_trajectories`:
+    multiple * 2^k, then num_trajectories rounded up to the multiple (one trajectory per row)."""
+    top = -(-num_trajectories // multiple) * multiple
+    out, n = [], multiple
+    while n < top:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (top,)
+
+
+def reject_too_long(groups: Sequence[Sequence[Trajectory]], max_seq_len: int) -> tuple[list, int]:
+    """Drop trajectories longer than learner.max_seq_len (never cut them); returns the groups
+    (empty ones removed) and how many were rejected, for the caller's event and metric."""
+    kept, rejected = [], 0
+    for group in groups:
+        ok = [t for t in group if t.prompt_tokens.shape[0] + t.num_tokens <= max_seq_len]
+        rejected += len(group) - len(ok)
+        if ok:
+            kept.append(ok)
+    return kept, rejected
 
 
 def bucket_len(n: int, *, max_len: int, min_len: int = 16) -> int:
@@ -31,14 +73,15 @@ def bucket_len(n: int, *, max_len: int, min_len: int = 16) -> int:
 
 
 def assemble(groups: Sequence[Sequence[Trajectory]], *, learner_version: int, max_seq_len: int,
-             min_len: int = 16, pad_id: int = 0) -> dict[str, np.ndarray]:
-    """Arrays of the module docstring for whole groups (group i's trajectories get group id i)."""
+             min_len: int = 16, pad_id: int = 0, rows: int | None = None) -> dict[str, np.ndarray]:
+    """Arrays of the module docstring for whole groups (group i's trajectories get group id i);
+    `rows` pads the batch with empty rows (valid 0) up to a fixed row count."""
     trajs = [(gi, t) for gi, group in enumerate(groups) for t in group]
     if not trajs:
         raise ValueError("batch.assemble: no trajectories")
     lengths = [t.prompt_tokens.shape[0] + t.num_tokens for _, t in trajs]
     length = bucket_len(max(lengths), max_len=max_seq_len, min_len=min_len)
-    b = len(trajs)
+    b = max(len(trajs), rows or 0)
     out = {
         "tokens": np.full((b, length), pad_id, np.int32),
         "positions": np.zeros((b, length), np.int32),
@@ -49,6 +92,7 @@ def assemble(groups: Sequence[Sequence[Trajectory]], *, learner_version: int, ma
         "rewards": np.zeros((b,), np.float32),
         "group_ids": np.zeros((b,), np.int32),
         "response_len": np.zeros((b,), np.int32),
+        "valid": np.zeros((b,), np.float32),
     }
     for row, ((gi, t), n) in enumerate(zip(trajs, lengths)):
         p = t.prompt_tokens.shape[0]
@@ -62,7 +106,61 @@ def assemble(groups: Sequence[Sequence[Trajectory]], *, learner_version: int, ma
         out["rewards"][row] = t.reward
         out["group_ids"][row] = gi
         out["response_len"][row] = t.num_tokens
+        out["valid"][row] = 1.0
+    out["group_ids"][len(trajs):] = len(groups) - 1  # padding rows: any group, valid 0
     return out
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, each summing to <= capacity: items longest first, each into the
+    first bin with room (Johnson 1973; at most 11/9 OPT + 6/9 bins)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > capacity:
+            raise ValueError(f"batch.pack: a sequence of {lengths[i]} tokens exceeds learner.max_seq_len={capacity}")
+        for j, r in enumerate(room):
+            if r >= lengths[i]:
+                bins[j].append(i)
+                room[j] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def pack(batch: dict[str, np.ndarray], *, max_seq_len: int, row_multiple: int = 1) -> dict[str, np.ndarray]:
+    """The per-token arrays of an assembled (unpacked) batch, packed first-fit-decreasing into
+    rows of `max_seq_len`; the row count is the smallest of `row_buckets` that holds them. Each
+    trajectory keeps its tokens, positions and per-token values; its segment id is its slot in
+    the row (1..k). Padding rows of the input (valid 0) are left out."""
+    n_rows = batch["tokens"].shape[0]
+    valid = batch.get("valid", np.ones((n_rows,), np.float32)) > 0
+    lengths = (batch["segment_ids"] != 0).sum(axis=1)
+    items = [i for i in range(n_rows) if valid[i] and lengths[i] > 0]
+    bins = first_fit_decreasing([int(lengths[i]) for i in items], max_seq_len)
+    rows = next(r for r in row_buckets(n_rows, row_multiple) if r >= len(bins))
+    keys = [k for k in TOKEN_KEYS if k in batch]
+    out = {k: np.zeros((rows, max_seq_len), batch[k].dtype) for k in keys}
+    for r, members in enumerate(bins):
+        col = 0
+        for seg, j in enumerate(members, start=1):
+            i, n = items[j], int(lengths[items[j]])
+            for k in keys:
+                out[k][r, col:col + n] = batch[k][i, :n]
+            out["segment_ids"][r, col:col + n] = seg
+            col += n
+    return out
+
+
+def layout(batch: dict[str, np.ndarray], mini_batches: int, *, pack_rows: bool, max_seq_len: int,
+           row_multiple: int = 1) -> list[dict[str, np.ndarray]]:
+    """The mini-batches a learner update trains on: `split`, then `pack` each when packing."""
+    parts = split(batch, mini_batches)
+    if not pack_rows:
+        return parts
+    return [pack(mb, max_seq_len=max_seq_len, row_multiple=row_multiple) for mb in parts]
 
 
 def split(batch: dict[str, np.ndarray], num_parts: int) -> list[dict[str, np.ndarray]]:

@@ -21,7 +21,7 @@ def model_config(cfg: Any, model_dir: str | None):
         path = os.path.join(model_dir, "config.json")
         with open(path) as f:
             return DecoderConfig.from_hf(json.load(f), source=path, param_dtype=cfg.model.rollout_dtype,
-                                         dtype=cfg.model.rollout_dtype)
+                                         dtype=cfg.model.rollout_dtype, attention=cfg.model.attention)
     return DecoderConfig.from_model_section(cfg.model, dtype=cfg.model.rollout_dtype)
 
 

@@ -61,6 +61,13 @@ class Learner:
         self.store = WeightStore.local(root)
         self.publisher = Publisher(self.store, dtype=cfg.model.rollout_dtype, events=self._event)
         self._last_end = time.time()
+        self.rejected_too_long = 0
+        if cfg.learner.precompile:  # every bucket's step compiles while the first rollouts generate
+            k = cfg.learner.mini_batches if modes.streams_minibatches(self.mode) else 1
+            threading.Thread(target=rl_step.precompile_all, daemon=True, name="learner-precompile",
+                             args=(cfg, self.fns, jax.tree.map(
+                                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)),
+                             kwargs=dict(num_groups=self.global_batch // k, events=self._event)).start()
 
     # ------------------------------------------------------------------ plumbing
     def _event(self, kind: str, **fields: Any) -> None:
@@ -101,15 +108,30 @@ class Learner:
     def _update(self, groups: list, mini_batches: int) -> tuple[dict, list[dict]]:
         from laminar_jax.learner.train_step import NonFiniteLossError
 
-        max_len = self.cfg.learner.max_seq_len
-        batch = B.assemble(groups, learner_version=self.version, max_seq_len=max_len, min_len=min(64, max_len))
+        lc = self.cfg.learner
+        rows = len(groups) * self.group_size
+        groups, rejected = B.reject_too_long(groups, lc.max_seq_len)
+        if rejected:  # counted and reported, never cut
+            self.rejected_too_long += rejected
+            self._event("rejected_too_long", version=self.version, count=rejected, max_seq_len=lc.max_seq_len)
+        if not groups:
+            raise ValueError(f"learner.max_seq_len={lc.max_seq_len}: every trajectory of the batch is longer")
+        batch = B.assemble(groups, learner_version=self.version, max_seq_len=lc.max_seq_len,
+                           min_len=min(lc.min_bucket, lc.max_seq_len), rows=rows)
         batch["advantages"], metrics = self.fns.advantages(batch, len(groups))
-        if self.fns.needs_prox:
-            batch["prox_logp"] = self.fns.logprobs(self.fns.prox_params(self.state), batch)
-        if self.fns.needs_ref:
-            batch["ref_logp"] = self.fns.logprobs(self.ref_params, batch)
+        mbs = B.layout(batch, mini_batches, pack_rows=lc.pack, max_seq_len=lc.max_seq_len,
+                       row_multiple=self.fns.row_multiple)
+        for mb in mbs:  # before any update: prox/ref log-probs are of this version's params
+            if self.fns.needs_prox:
+                mb["prox_logp"] = self.fns.logprobs(self.fns.prox_params(self.state), mb)
+            if self.fns.needs_ref:
+                mb["ref_logp"] = self.fns.logprobs(self.ref_params, mb)
+        metrics.update({"learner/rejected_too_long": float(self.rejected_too_long),
+                        "learner/token_fill": float(np.mean([(mb["segment_ids"] > 0).mean() for mb in mbs])),
+                        "learner/rows": float(mbs[0]["tokens"].shape[0]),
+                        "learner/row_len": float(mbs[0]["tokens"].shape[1])})
         steps = []
-        for mb in B.split(batch, mini_batches):
+        for mb in mbs:
             inputs = self._shd.shard_batch(self.fns.inputs(self.state.params, mb), self.setup.mesh)
             try:
                 self.state, m = self.fns.train(self.state, inputs)

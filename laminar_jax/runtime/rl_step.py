@@ -25,10 +25,11 @@ import numpy as np
 
 from laminar_jax import sharding as shd
 from laminar_jax.learner import logprobs as lp
-from laminar_jax.learner.train_step import TrainStep
+from laminar_jax.learner.train_step import AheadOfTime, TrainStep
 from laminar_jax.rl.advantages import advantages_from_spec
-from laminar_jax.rl.ewma import ewma_params
+from laminar_jax.runtime import batch as B
 from laminar_jax.rl.compose import keep_needs_learner, kept_mask, loss_normaliser, make_loss
+from laminar_jax.rl.ewma import ewma_params
 
 TRAIN_KEYS = ("tokens", "positions", "segment_ids", "response_mask", "behaviour_logp", "staleness",
               "advantages")
@@ -42,6 +43,10 @@ class LearnerFns(NamedTuple):
     needs_ref: bool
     inputs: Any = None       # (params, mini-batch) -> the train step's inputs
     prox_params: Any = None  # state -> the weights prox_logp is recomputed with
+    row_multiple: int = 1     # packed row counts are multiples of this (micro-batches x batch shards)
+    mini_batch_rows: int = 1  # trajectories (unpacked rows) per mini-batch
+    precompile: Any = None    # precompile(state, rows, length, ...): the shapes of `batch_shapes`
+    loss: Any = None          # the un-jitted loss_fn(params, train_inputs) -> (loss, metrics)
 
 
 def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
@@ -55,9 +60,11 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
         logp, ent = lp.sequence_logprobs(sharded.bind(params), mb["tokens"], mb["positions"],
                                          mb["segment_ids"], response_mask=mb["response_mask"],
                                          chunk_size=chunk, with_entropy=spec.needs_entropy)
+        # segment ids: a packed row holds several sequences (sequence-level aggregation per segment)
         return rl_loss(logp, behaviour_logp=mb["behaviour_logp"], advantages=mb["advantages"],
                        mask=mb["response_mask"], prox_logp=mb.get("prox_logp"), ref_logp=mb.get("ref_logp"),
-                       staleness=mb["staleness"], normaliser=mb["normaliser"], entropy=ent)
+                       staleness=mb["staleness"], normaliser=mb["normaliser"], entropy=ent,
+                       segment_ids=mb["segment_ids"])
 
     micro = cfg.learner.micro_batch_size or mini_batch_rows
     div = shd.batch_divisor(setup.mesh)
@@ -69,21 +76,30 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
     train = TrainStep(loss_fn, setup.tx, setup.shardings, schedule=setup.schedule,
                       num_micro_batches=mini_batch_rows // micro, metric_reduction="mean")
 
-    @partial(jax.jit, static_argnames="num_groups")
-    def advantages(rewards, group_ids, response_mask, num_groups):
+    def advantages(rewards, group_ids, valid, response_mask, num_groups):
         return advantages_from_spec(adv_spec, rewards=rewards, group_ids=group_ids,
-                                    valid=jnp.ones_like(rewards, bool), response_mask=response_mask > 0,
+                                    valid=valid > 0, response_mask=response_mask > 0,
                                     num_groups=num_groups)
+    adv_aot: dict = {}  # (num_groups) -> AheadOfTime (num_groups is static)
+
+    def adv_call(num_groups, *args):
+        return adv_jit(num_groups)(*args)
+
+    def adv_jit(num_groups):
+        if num_groups not in adv_aot:
+            adv_aot[num_groups] = AheadOfTime(jax.jit(partial(advantages, num_groups=num_groups)))
+        return adv_aot[num_groups]
 
     def adv_fn(batch, num_groups):
-        adv, m = advantages(batch["rewards"], batch["group_ids"], batch["response_mask"], num_groups)
+        valid = batch.get("valid", np.ones_like(batch["rewards"]))
+        adv, m = adv_call(num_groups, batch["rewards"], batch["group_ids"], valid, batch["response_mask"])
         return np.asarray(adv, np.float32), {f"adv/{k}": float(v) for k, v in jax.device_get(m).items()}
 
-    logp_jit = lp.make_logprobs_fn(sharded, chunk_size=chunk)
+    logp_jit = AheadOfTime(lp.make_logprobs_fn(sharded, chunk_size=chunk))
+    logp_keys = ("tokens", "positions", "segment_ids", "response_mask")
 
     def logprobs(params, batch):
-        logp, _ = logp_jit(params, *(shd.shard_batch(batch[k], setup.mesh) for k in
-                                     ("tokens", "positions", "segment_ids", "response_mask")))
+        logp, _ = logp_jit(params, *(shd.shard_batch(batch[k], setup.mesh) for k in logp_keys))
         return np.asarray(logp, np.float32)
 
     kept_jit = jax.jit(partial(kept_mask, spec))
@@ -93,6 +109,7 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
         if not spec.aggregation.rejected_in_denominator:
             learner = logprobs(params, mb) if keep_needs_learner(spec) else None
             keep = kept_jit(mask=mb["response_mask"], behaviour_logp=mb["behaviour_logp"],
+                            segment_ids=mb["segment_ids"],
                             advantages=mb["advantages"], learner_logp=learner,
                             prox_logp=mb.get("prox_logp"), staleness=mb["staleness"])
         return train_inputs(cfg, mb, keep_mask=keep)
@@ -100,8 +117,48 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
     def prox_params(state):
         return ewma_params(state.opt_state) if spec.needs_ewma else state.params
 
-    return LearnerFns(adv_fn, logprobs, train, spec.needs_prox or cfg.learner.recompute_prox,
-                      spec.needs_ref, inputs, prox_params)
+    needs_prox = spec.needs_prox or cfg.learner.recompute_prox
+    extra = tuple(k for k, need in (("prox_logp", needs_prox), ("ref_logp", spec.needs_ref)) if need)
+
+    def precompile(state, rows, length, num_groups, adv_rows):
+        """Compile the update's jitted pieces for mini-batches of rows x length (advantages
+        over the assembled batch of adv_rows x length, num_groups groups)."""
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        state = jax.tree.map(abstract, state)
+        arr = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
+        ints = ("tokens", "positions", "segment_ids")
+        tok = {k: arr(jnp.int32 if k in ints else jnp.float32, rows, length) for k in TRAIN_KEYS + extra}
+        train.precompile(state, {**tok, "normaliser": arr(jnp.float32)})
+        if needs_prox or spec.needs_ref:
+            logp_jit.precompile(state.params, *(tok[k] for k in logp_keys))
+        if not cfg.learner.pack:  # advantages run on the unpacked batch (all mini-batches)
+            n = adv_rows
+            f32, i32 = arr(jnp.float32, n), arr(jnp.int32, n)
+            adv_jit(num_groups).precompile(f32, i32, f32, arr(jnp.float32, n, length))
+
+    return LearnerFns(adv_fn, logprobs, train, needs_prox, spec.needs_ref, inputs, prox_params,
+                      row_multiple=(mini_batch_rows // micro) * div, mini_batch_rows=mini_batch_rows,
+                      precompile=precompile, loss=loss_fn)
+
+
+def batch_shapes(cfg: Any, fns: LearnerFns) -> list[tuple[int, int]]:
+    """Every (rows, length) a mini-batch can have, known before the first batch: unpacked, the
+    mini-batch's trajectories x each length bucket; packed, each row bucket x max_seq_len."""
+    lc = cfg.learner
+    if lc.pack:
+        return [(r, lc.max_seq_len) for r in B.row_buckets(fns.mini_batch_rows, fns.row_multiple)]
+    return [(fns.mini_batch_rows, n) for n in B.length_buckets(lc.max_seq_len, min(lc.min_bucket, lc.max_seq_len))]
+
+
+def precompile_all(cfg: Any, fns: LearnerFns, state: Any, *, num_groups: int, events: Any = None) -> None:
+    """`fns.precompile` every shape of `batch_shapes`, smallest first (for a background thread);
+    `num_groups`: the groups of one assembled batch (a global batch, or a mini-batch's worth when
+    mini-batches stream)."""
+    adv_rows = num_groups * cfg.data.group_size
+    for rows, length in sorted(batch_shapes(cfg, fns), key=lambda s: s[0] * s[1]):
+        fns.precompile(state, rows, length, num_groups, adv_rows)
+    if events is not None:
+        events("precompiled", shapes=len(batch_shapes(cfg, fns)))
 
 
 def train_inputs(cfg: Any, mb: dict[str, np.ndarray], *, keep_mask: Any = None) -> dict[str, Any]:
@@ -110,6 +167,7 @@ def train_inputs(cfg: Any, mb: dict[str, np.ndarray], *, keep_mask: Any = None) 
     keys = TRAIN_KEYS + tuple(k for k in ("prox_logp", "ref_logp") if k in mb)
     out = {k: mb[k] for k in keys}
     out["normaliser"] = np.float32(loss_normaliser(cfg.loss, jnp.asarray(mb["response_mask"]),
+                                                   segment_ids=jnp.asarray(mb["segment_ids"]),
                                                    keep_mask=keep_mask))
     return out
 

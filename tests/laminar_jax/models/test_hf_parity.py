@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from laminar_jax.models import attention as attn
 from laminar_jax.models.decoder import from_params
 from laminar_jax.models.hf import load_pretrained, params_to_hf, read_tensors, save_pretrained
 from tests.laminar_jax.models.hf_fixtures import make_hf_model
@@ -21,6 +22,8 @@ VARIANTS = {
     "qwen3": dict(arch="qwen3", head_dim=32),
 }
 SEQ = 40
+# every attention implementation that runs on this backend ("auto" is one of them)
+ATTENTION = [a for a in attn.supported() if a != "auto"]
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +54,11 @@ def _next_token_logp(logits, tokens):
     return np.asarray(jnp.take_along_axis(logp, jnp.asarray(tokens)[:, 1:, None], axis=-1)[..., 0])
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_and_logprobs_match_transformers(checkpoints, variant):
-    _, hf_model, cfg, _, model = checkpoints[variant]
+def test_logits_and_logprobs_match_transformers(checkpoints, variant, attention):
+    _, hf_model, cfg, params, _ = checkpoints[variant]
+    model = from_params(cfg.replace(attention=attention), params)
     tokens = _tokens(2, SEQ)
     positions = np.tile(np.arange(SEQ, dtype=np.int32), (2, 1))
     ref = _hf_logits(hf_model, tokens)
@@ -63,9 +68,11 @@ def test_logits_and_logprobs_match_transformers(checkpoints, variant):
     np.testing.assert_allclose(_next_token_logp(ours, tokens), _next_token_logp(ref, tokens), atol=1e-4)
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("variant", ["qwen2", "llama3_tied"])
-def test_packed_row_matches_unpacked_transformers(checkpoints, variant):
-    _, hf_model, _, _, model = checkpoints[variant]
+def test_packed_row_matches_unpacked_transformers(checkpoints, variant, attention):
+    _, hf_model, cfg, params, _ = checkpoints[variant]
+    model = from_params(cfg.replace(attention=attention), params)
     a, b = _tokens(1, 9, seed=1), _tokens(1, 13, seed=2)
     tokens = np.concatenate([a, b, np.zeros((1, 2), np.int32)], axis=1)
     positions = np.concatenate([np.arange(9), np.arange(13), [0, 0]])[None].astype(np.int32)
