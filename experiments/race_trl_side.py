@@ -63,7 +63,7 @@ def main(path: str) -> None:
         output_dir=s["out_dir"], use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
         seed=s["seed"], max_steps=s["steps"], bf16=False,
         per_device_train_batch_size=n, generation_batch_size=n, num_generations=s["group_size"],
-        steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1,
+        num_iterations=1, gradient_accumulation_steps=1,
         max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0, top_k=0,
         beta=0.0, epsilon=s["eps"], epsilon_high=s["eps"], loss_type="dapo", scale_rewards="group",
         mask_truncated_completions=False,
