@@ -8,7 +8,7 @@ compilation cache (cold) and again with the cache the first run filled (warm). B
 one SFT checkpoint (the warm-up `laminar train` gives the tiny preset, built once, or --init), so
 the warm-up itself is not timed.
 
-Per run it reads the run folder: the medians of the `time/*` metrics over the steps after the
+Per run it reads the run folder: the means of the `time/*` metrics over the steps after the
 first two (laminar_jax/runtime/breakdown.py says what each part is; the overhead is everything
 but learner compute and the share of the data wait spent decoding), and the `startup` event
 (seconds from the driver's start to each phase's end). The process's launch-to-first-step time
@@ -62,9 +62,10 @@ def run_once(name: str, extra: list[str], *, init: str, steps: int, cache: str, 
         raise RuntimeError(f"{name}: laminar train failed:\n{proc.stderr[-3000:]}")
     import pandas as pd
     m = pd.read_parquet(os.path.join(run_dir, "metrics.parquet")).sort_values("step")
-    steady = m.iloc[2:] if len(m) > 3 else m
-    med = {k: float(np.median(steady[f"time/{k}"])) for k in PARTS + SIDE + ("step_wall_s", "overhead_frac", "compute_s")
-           if f"time/{k}" in steady}
+    from laminar_jax.runtime.breakdown import summarise
+    # means over the steps after the first two (compiles): the parts add up to the mean step
+    med = summarise(m.to_dict("records"))
+    med = {k: v for k, v in med.items() if np.isfinite(v)}
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
     startup = next(e for e in events if e.get("kind") == "startup")
     startup = {k: v for k, v in startup.items() if k.endswith("_s")}
@@ -76,7 +77,7 @@ def run_once(name: str, extra: list[str], *, init: str, steps: int, cache: str, 
 def print_breakdown(name: str, r: dict) -> None:
     b = r["breakdown"]
     wall = b["step_wall_s"]
-    print(f"\n{name}: median step {wall:.3f} s, overhead {b['overhead_frac']:.0%} "
+    print(f"\n{name}: mean step {wall:.3f} s, overhead {b['overhead_frac']:.0%} "
           f"(load {r['load_before']:.1f} -> {r['load_after']:.1f})")
     print(f"  {'part':<26}{'s':>8}{'% of step':>11}")
     for k in PARTS:

@@ -102,7 +102,12 @@ def relay_times(events: Iterable[dict]) -> dict[str, float]:
 
 
 def summarise(rows: Sequence[dict], *, skip: int = 2) -> dict[str, float]:
-    """Medians of every `time/*` metric over the steps after the first `skip` (compiles)."""
+    """Means of every `time/*` metric over the steps after the first `skip` (compiles). Means,
+    not medians: the parts of the mean step add up to the mean step wall time."""
     steady = list(rows[skip:]) or list(rows)
-    keys = sorted({k for r in steady for k in r if k.startswith("time/")})
-    return {k[5:]: float(np.median([r[k] for r in steady if k in r])) for k in keys}
+    keys = sorted({k for r in steady for k in r if k.startswith("time/") and k != "time/unix_s"})
+    vals = {k: [r[k] for r in steady if k in r and np.isfinite(r[k])] for k in keys}   # NaN: not logged that step
+    out = {k[5:]: float(np.mean(v)) for k, v in vals.items() if v}
+    if "step_wall_s" in out and "overhead_s" in out:   # of the mean step (a mean of ratios is not)
+        out["overhead_frac"] = out["overhead_s"] / max(out["step_wall_s"], 1e-9)
+    return out

@@ -83,9 +83,11 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
     start = ray.get(fleet.learner.current_version.remote())
+    # steps as in the metrics' `step` column (0-based); paths on their own line
     say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts, relays "
-        f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, model "
-        f"{model_dir or cfg.model.preset}, steps {start}..{cfg.run.steps}, run folder {run_dir}")
+        f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, "
+        f"steps {start}..{cfg.run.steps - 1}")
+    say(f"  model {model_dir or cfg.model.preset}\n  run folder {run_dir}")
     meter, rows = progress.RolloutMeter(), []
     pending = fleet.learner.step.remote() if start < cfg.run.steps else None
     try:

@@ -93,9 +93,9 @@ def summary_text(s: dict) -> str:
 
 
 def breakdown_text(b: dict) -> str:
-    """The median step's time split, one line (empty when there is none)."""
+    """The mean step's time split, one line (empty when there is none)."""
     if "step_wall_s" not in b:
         return ""
     parts = " + ".join(f"{k[:-2]} {b[k]:.3f}" for k in breakdown.LEARNER_PARTS + ("unaccounted_s",) if k in b)
-    return (f"\nmedian step {b['step_wall_s']:.3f} s = {parts}; decode {b.get('wait_decode_s', 0):.3f} of the wait;"
+    return (f"\nmean step {b['step_wall_s']:.3f} s = {parts}; decode {b.get('wait_decode_s', 0):.3f} of the wait;"
             f" overhead {b.get('overhead_frac', 0):.0%}")

@@ -56,9 +56,11 @@ def test_relay_times_per_version():
     assert breakdown.relay_times([]) == {}
 
 
-def test_summarise_takes_medians_after_the_compile_steps():
-    rows = [{"time/update_s": v, "reward_mean": 0.0} for v in (30.0, 20.0, 1.0, 2.0, 3.0)]
-    assert breakdown.summarise(rows) == {"update_s": 2.0}
+def test_summarise_takes_means_after_the_compile_steps_so_the_parts_add_up():
+    rows = [{"time/update_s": v, "time/step_wall_s": 2 * v, "time/overhead_s": v / 2, "time/unix_s": 1e9,
+             "reward_mean": 0.0} for v in (30.0, 20.0, 1.0, 2.0, 6.0)]
+    assert breakdown.summarise(rows) == {"update_s": 3.0, "step_wall_s": 6.0, "overhead_s": 1.5,
+                                         "overhead_frac": 0.25}
 
 
 def test_step_line_fits_and_shows_the_metrics_step():
@@ -86,5 +88,5 @@ def test_summary_carries_the_breakdown():
             for w in (9.0, 9.0, 1.0, 1.0)]
     s = progress.summary(rows, wall_s=20.0, accounting={}, counters={})
     assert s["breakdown"] == {"step_wall_s": 1.0, "update_s": 0.5, "overhead_frac": 0.1}
-    assert "median step 1.000 s" in progress.breakdown_text(s["breakdown"])
+    assert "mean step 1.000 s" in progress.breakdown_text(s["breakdown"])
     assert np.isfinite(s["wall_s"])
