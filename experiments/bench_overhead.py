@@ -62,9 +62,9 @@ def run_once(name: str, extra: list[str], *, init: str, steps: int, cache: str, 
         raise RuntimeError(f"{name}: laminar train failed:\n{proc.stderr[-3000:]}")
     import pandas as pd
     m = pd.read_parquet(os.path.join(run_dir, "metrics.parquet")).sort_values("step")
-    from laminar_jax.runtime.breakdown import summarise
+    from laminar_jax.runtime.breakdown import overhead, summarise
     # means over the steps after the first two (compiles): the parts add up to the mean step
-    med = summarise(m.to_dict("records"))
+    med = summarise([dict(r, **overhead(r)) for r in m.to_dict("records")])
     med = {k: v for k, v in med.items() if np.isfinite(v)}
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
     startup = next(e for e in events if e.get("kind") == "startup")

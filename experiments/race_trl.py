@@ -115,12 +115,20 @@ def run_laminar(mode: str, seed: int, init: str, a, work: str) -> dict:
                           timeout=a.max_s + 300)
     if proc.returncode:
         raise RuntimeError(f"laminar run failed:\n{proc.stderr[-3000:]}")
+    return score_laminar(run_dir, t0, a)
+
+
+def score_laminar(run_dir: str, t0: float, a) -> dict:
     import pandas as pd
     m = pd.read_parquet(os.path.join(run_dir, "metrics.parquet")).sort_values("step")
     out = score(list(m["time/unix_s"] - t0), list(m["reward_mean"]), list(m["time/step_wall_s"])[1:],
                 a, a.prompts * a.group)
-    out["overhead_frac_median"] = float(np.median(m["time/overhead_frac"].iloc[2:]))
-    out["update_s_median"] = float(np.median(m["time/update_s"].iloc[2:]))
+    out["launch_unix_s"] = t0
+    from laminar_jax.runtime.breakdown import overhead, summarise
+    rows = [dict(r, **overhead(r)) for r in m.to_dict("records")]   # the current definition
+    b = summarise(rows)
+    out.update(overhead_frac=b["overhead_frac"], update_s_mean=b["update_s"], wait_data_s_mean=b["wait_data_s"],
+               step_wall_s_mean=b["step_wall_s"])
     return out
 
 
@@ -157,7 +165,10 @@ def main() -> None:
     p.add_argument("--venv", default=os.path.join(REPO, "experiments", ".venv-trl"))
     p.add_argument("--work", default="/tmp/laminar-race")
     p.add_argument("--out", default=os.path.join(REPO, "experiments", "results", "race_trl.json"))
+    p.add_argument("--rescore", action="store_true", help="re-score the runs of --out (no new runs)")
     a = p.parse_args()
+    if a.rescore:
+        return rescore(a)
     os.makedirs(a.work, exist_ok=True)
     py = ensure_venv(a.venv) if "trl" in a.systems else None
     init = a.init or build_init(a.work, a.task, a.sft_steps)
@@ -171,13 +182,37 @@ def main() -> None:
             r.update(system=system, seed=seed, load_before=load, load_after=os.getloadavg()[0])
             print(f"race:   {json.dumps(r)}", flush=True)
             results.append(r)
+    finish(results, a)
+
+
+def rescore(a) -> None:
+    """Re-reads the laminar runs of an earlier race (its JSON and run folders) with this code's
+    scoring; nothing is run again."""
+    with open(a.out) as f:
+        results = json.load(f)["results"]
+    for r in results:
+        if r["system"] != "trl":
+            t0 = r.get("launch_unix_s")
+            if t0 is None:   # older JSON: the launch time is the first step's end minus start-up
+                import pandas as pd
+                m = pd.read_parquet(os.path.join(a.work, f"{r['system']}-s{r['seed']}", "metrics.parquet"))
+                t0 = float(m.sort_values("step")["time/unix_s"].iloc[0]) - r["startup_s"]
+            keep = {k: r[k] for k in ("system", "seed", "load_before", "load_after")}
+            r.clear()
+            r.update(score_laminar(os.path.join(a.work, f"{keep['system']}-s{keep['seed']}"), t0, a), **keep)
+    finish(results, a)
+
+
+def finish(results: list[dict], a) -> None:
     summary = {}
     for system in a.systems:
         rs = [r for r in results if r["system"] == system]
         ttt = [r["time_to_threshold_s"] for r in rs]
         summary[system] = {"time_to_threshold_s_mean": float(np.mean(ttt)) if None not in ttt else None,
                            "steady_s_per_step_mean": float(np.mean([r["steady_s_per_step"] for r in rs])),
-                           "startup_s_mean": float(np.mean([r["startup_s"] for r in rs]))}
+                           "startup_s_mean": float(np.mean([r["startup_s"] for r in rs])),
+                           "runs_reaching_threshold": f"{sum(t is not None for t in ttt)}/{len(ttt)}",
+                           "wall_s_min": float(min(r["wall_s"] for r in rs))}
     if "trl" in summary:
         base = summary["trl"]
         for system in a.systems:
@@ -186,7 +221,11 @@ def main() -> None:
                                              if s["time_to_threshold_s_mean"] and base["time_to_threshold_s_mean"]
                                              else None)
             s["s_per_step_vs_trl"] = s["steady_s_per_step_mean"] / base["steady_s_per_step_mean"]
-    out = {"settings": {k: v for k, v in vars(a).items() if k not in ("venv", "out")}, "init": init,
+            if base["time_to_threshold_s_mean"] is None and s["time_to_threshold_s_mean"]:
+                # TRL never got there: its time to threshold exceeds its shortest run's wall time
+                s["wall_to_threshold_vs_trl_at_most"] = s["time_to_threshold_s_mean"] / base["wall_s_min"]
+    out = {"settings": {k: v for k, v in vars(a).items() if k not in ("venv", "out", "rescore", "init")},
+           "init": a.init or os.path.join(a.work, "init", "sft_model"),
            "cores": os.cpu_count(), "results": results, "summary": summary}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:

@@ -13,8 +13,11 @@ The learner's timeline between the end of step k-1 and the end of step k is cut 
 
 While the learner waits, the rollouts decode or do something else. Their own split (mean over
 live rollouts, fractions of their time) is `time/rollout_{decode,pull,reload,rpc,reward,wait,
-other}_frac`; `wait_data` is divided in the same proportion into `wait_decode` (tokens being
-generated) and `wait_rollout_overhead` (pulls, engine reloads, data RPCs, rewards, idle).
+other}_frac`. Of `wait_data`, `wait_decode` is the part the rollouts can have spent decoding:
+at most their decode seconds in the step (decode fraction x step wall); the rest,
+`wait_rollout_overhead`, went to the weight path (relay latency, pulls, engine reloads), data
+RPCs, rewards and idling. (A proportional split would be wrong in sync mode, where the rollouts
+idle while the learner computes and decode while it waits.)
 
     overhead = wall - update - logprob - wait_decode          (everything but compute and decode)
 
@@ -71,11 +74,14 @@ def rollout_split(deltas: Sequence[dict]) -> dict[str, float]:
 
 
 def overhead(m: dict) -> dict[str, float]:
-    """Splits the learner's data wait by the rollouts' decode fraction; overhead and its share of
-    the step (see the module docstring). `m` holds the learner's and the rollouts' `time/*`."""
+    """Splits the learner's data wait into decode (at most the rollouts' decode seconds in the
+    step) and the rest; overhead and its share of the step (see the module docstring). `m` holds
+    the learner's and the rollouts' `time/*`."""
     wall = max(m["time/step_wall_s"], 1e-9)
     decode = m.get("time/rollout_decode_frac", 0.0)
-    wait_decode = m["time/wait_data_s"] * decode
+    if not np.isfinite(decode):
+        decode = 0.0
+    wait_decode = min(m["time/wait_data_s"], decode * wall)
     compute = sum(m[f"time/{k}"] for k in COMPUTE_PARTS)
     over = max(0.0, wall - compute - wait_decode)
     return {"time/wait_decode_s": wait_decode, "time/wait_rollout_overhead_s": m["time/wait_data_s"] - wait_decode,

@@ -35,14 +35,16 @@ def test_rollout_split_fractions_sum_to_one_and_average_over_rollouts():
     assert out["time/rollout_other_frac"] == pytest.approx((0.4 / 4.0 + 0.0) / 2)
 
 
-def test_overhead_counts_only_the_decode_share_of_the_wait_as_useful():
+def test_overhead_counts_at_most_the_rollouts_decode_seconds_of_the_wait_as_useful():
     m = {"time/step_wall_s": 4.0, "time/wait_data_s": 2.0, "time/update_s": 1.0, "time/logprob_s": 0.5,
-         "time/rollout_decode_frac": 0.75}
+         "time/rollout_decode_frac": 0.375}          # sync-like: 1.5 s of decode, all inside the wait
     out = breakdown.overhead(m)
     assert out["time/wait_decode_s"] == pytest.approx(1.5)
     assert out["time/wait_rollout_overhead_s"] == pytest.approx(0.5)
     assert out["time/overhead_s"] == pytest.approx(4.0 - 1.5 - 1.5)
     assert out["time/overhead_frac"] == pytest.approx(1.0 / 4.0)
+    busy = breakdown.overhead(dict(m, **{"time/rollout_decode_frac": 0.95}))   # rollouts always decoding
+    assert busy["time/wait_decode_s"] == pytest.approx(2.0) and busy["time/overhead_s"] == pytest.approx(0.5)
 
 
 def test_relay_times_per_version():
