@@ -83,12 +83,14 @@ def run_trl(py: str, seed: int, init: str, a, work: str) -> dict:
     settings = dict(repo=REPO, model=init, task=a.task, num_prompts=2048, data_seed=seed, seed=seed,
                     steps=a.steps, max_s=a.max_s, prompts_per_step=a.prompts, group_size=a.group,
                     max_new_tokens=a.max_new_tokens, temperature=1.0, eps=a.eps, lr=a.lr,
-                    grad_clip=a.grad_clip, out_dir=os.path.join(work, f"trl-out-s{seed}"), log=log)
+                    grad_clip=a.grad_clip, out_dir=os.path.join(work, f"trl-out-s{seed}"), log=log,
+                    threads=a.trl_threads)
     path = os.path.join(work, f"trl-s{seed}.json")
     with open(path, "w") as f:
         json.dump(settings, f)
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), MKL_NUM_THREADS=str(a.trl_threads))
     proc = subprocess.run([py, os.path.join(REPO, "experiments", "race_trl_side.py"), path],
-                          cwd=REPO, capture_output=True, text=True, timeout=a.max_s + 300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=a.max_s + 300)
     if proc.returncode:
         raise RuntimeError(f"TRL run failed:\n{proc.stderr[-3000:]}")
     recs = [json.loads(line) for line in open(log)]
@@ -166,6 +168,10 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/laminar-race")
     p.add_argument("--out", default=os.path.join(REPO, "experiments", "results", "race_trl.json"))
     p.add_argument("--rescore", action="store_true", help="re-score the runs of --out (no new runs)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep --out's results of the systems not run now (re-run one side only)")
+    p.add_argument("--trl-threads", type=int, default=1,
+                   help="torch threads of the TRL process (1: fastest on a loaded machine)")
     a = p.parse_args()
     if a.rescore:
         return rescore(a)
@@ -182,6 +188,11 @@ def main() -> None:
             r.update(system=system, seed=seed, load_before=load, load_after=os.getloadavg()[0])
             print(f"race:   {json.dumps(r)}", flush=True)
             results.append(r)
+    if a.merge and os.path.exists(a.out):
+        with open(a.out) as f:
+            old = json.load(f)
+        results = [r for r in old["results"] if r["system"] not in a.systems] + results
+        a.systems = [s for s in SYSTEMS if any(r["system"] == s for r in results)]
     finish(results, a)
 
 

@@ -28,6 +28,9 @@ def main(path: str) -> None:
 
     from laminar_jax.data.tasks import get_task, task_score
 
+    # torch's intra-op threads: more threads than free cores spin against each other (35-47 s
+    # per step with 2 threads on the loaded 2-core machine, 1.4-1.8 s with 1)
+    torch.set_num_threads(s["threads"])
     torch.manual_seed(s["seed"])
     rows = get_task(s["task"], num_prompts=s["num_prompts"], seed=s["data_seed"]).rows()
     ds = Dataset.from_list([{"prompt": r.prompt, "row": json.dumps(dict(r.row))} for r in rows])

@@ -73,6 +73,8 @@ def _cmd_sft(ns: argparse.Namespace) -> int:
     path, overrides = _split_config(ns.args, required=False)
     cfg = _load(path, overrides)
     run = _import_entry("laminar_jax.learner.sft", "run", "supervised training")
+    from laminar_jax.runtime import compile_cache
+    compile_cache.enable(cfg.run.compile_cache)
     run(cfg)
     return 0
 

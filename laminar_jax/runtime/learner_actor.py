@@ -76,6 +76,8 @@ class Learner:
                 self._publish_t0[fields["version"]] = time.perf_counter()
             elif kind == "publish_written" and fields.get("version") in self._publish_t0:
                 fields["write_s"] = self._write_s = time.perf_counter() - self._publish_t0.pop(fields["version"])
+                # superseded writes never finish: forget them
+                self._publish_t0 = {v: t for v, t in self._publish_t0.items() if v > fields["version"]}
             self._events.append({"kind": kind, **fields})
 
     def weight_store(self):
