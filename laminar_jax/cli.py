@@ -96,6 +96,8 @@ def _cmd_sft(ns: argparse.Namespace) -> int:
     cfg = _load(path, overrides)
     _preflight("check_sft", cfg, path)
     run = _import_entry("laminar_jax.learner.sft", "run", "supervised training")
+    from laminar_jax.runtime import compile_cache
+    compile_cache.enable(cfg.run.compile_cache)
     run(cfg)
     return 0
 

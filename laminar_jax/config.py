@@ -43,6 +43,8 @@ class RunConfig:
 
     ray_address: None starts an embedded local Ray cluster; "auto" or "host:port" joins one.
     checkpoint_every: learner steps between orbax checkpoints (0 = only at the end).
+    compile_cache: folder of the persistent JAX compilation cache shared by every run and
+      process ("~" expanded; None turns it off); a warm cache skips the compiles at start-up.
     """
 
     name: str = "default"
@@ -52,9 +54,10 @@ class RunConfig:
     log_every: int = 1
     ray_address: str | None = None
     checkpoint_every: int = 0
+    compile_cache: str | None = "~/.cache/laminar/jax"
 
     def __post_init__(self):
-        _non_empty(self, "name", "out_dir", "ray_address")
+        _non_empty(self, "name", "out_dir", "ray_address", "compile_cache")
         _require("/" not in self.name and self.name not in (".", ".."), "name", self.name,
                  "a folder name without '/'")
         _at_least(self, 0, "seed", "checkpoint_every")

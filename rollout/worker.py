@@ -31,6 +31,10 @@ from rollout.engine import Request, SamplingParams
 from laminar_jax.runtime.rpc import call, node_id, send
 from laminar_jax.runtime.weights_source import WeightSource
 
+# longest an idle rollout blocks waiting for newer weights before it asks the data actor for work
+# again (work not tied to a new version: re-queued groups, a buffer that drained)
+IDLE_WAIT_S = 0.1
+
 
 @dataclass
 class _Group:
@@ -65,7 +69,11 @@ class RolloutWorker:
         self._last_poll = 0.0
         # Highest KV use of the batch in hand: the manager's ramp-down test compares against it.
         self._kv_peak = 0.0
-        self.counters = dict(idle_s=0.0, busy_s=0.0, tokens=0, steps=0, kv_time=0.0, pulls=0,
+        # time split (seconds): decode = engine steps, pull = reading newer weights, reload =
+        # engine build / weight load, rpc = data-actor calls, reward = decode text + score, wait =
+        # blocked waiting for weights while idle (part of idle_s, with the idle loop turns)
+        self.counters = dict(idle_s=0.0, busy_s=0.0, decode_s=0.0, pull_s=0.0, reload_s=0.0, rpc_s=0.0,
+                             reward_s=0.0, wait_s=0.0, tokens=0, steps=0, kv_time=0.0, pulls=0,
                              groups_delivered=0, reward_errors=0, decode_errors=0, released=0, adopted=0, interrupts=0)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -76,6 +84,12 @@ class RolloutWorker:
     # ------------------------------------------------------------------ the loop
     def run(self) -> str | None:
         """Runs until `stop()`; returns the failure message if the engine or loop died."""
+        try:
+            self._first_engine()
+        except Exception as e:  # noqa: BLE001 - a failed build is an engine death too
+            self.failed = f"{type(e).__name__}: {e}"
+            self._event("rollout_failed", error=self.failed)
+            return self.failed
         while not self._stop.is_set():
             t0 = time.time()
             try:
@@ -87,8 +101,44 @@ class RolloutWorker:
                 return self.failed
             self.counters["busy_s" if worked else "idle_s"] += time.time() - t0
             if not worked:
-                time.sleep(0.005)
+                self._idle_wait()
         return None
+
+    def _first_engine(self) -> None:
+        """Waits for the first weights and builds the engine outside the lock, so heartbeats
+        (`stats`) answer during the build (a cold compile can take longer than their timeout)."""
+        while self.engine is None and not self._stop.is_set():
+            t0 = time.perf_counter()
+            got = self.weights.wait_newer(-1, IDLE_WAIT_S)
+            self.counters["idle_s"] += time.perf_counter() - t0
+            self.counters["wait_s"] += time.perf_counter() - t0
+            if got is None:
+                continue
+            t0 = time.perf_counter()
+            engine = self._make_engine(got[1], got[0])
+            self.counters["reload_s"] += time.perf_counter() - t0
+            self.counters["busy_s"] += time.perf_counter() - t0
+            with self._lock:
+                self.engine = engine
+                self._pulled(got[0], False)
+
+    def _idle_wait(self) -> None:
+        """Nothing to generate: block (outside the lock, so the manager's calls go on) until newer
+        weights arrive or IDLE_WAIT_S passes, instead of spinning; what came is loaded at once.
+        Idle means nothing in flight, so any mode may load weights now."""
+        current = -1 if self.engine is None else self.engine.weight_version
+        t0 = time.perf_counter()
+        got = self.weights.wait_newer(current, IDLE_WAIT_S)
+        waited = time.perf_counter() - t0   # the read of what came included
+        self.counters["idle_s"] += waited
+        self.counters["wait_s"] += waited
+        if got is None:
+            return
+        with self._lock:
+            now = -1 if self.engine is None else self.engine.weight_version
+            in_flight = self.engine.has_unfinished() if self.engine is not None else False
+            if got[0] > now and modes.may_pull_weights(self.mode, in_flight=int(in_flight), released=self._released):
+                self._load(got, in_flight)
 
     def _tick(self) -> bool:
         in_flight = self.engine.has_unfinished() if self.engine is not None else False
@@ -103,7 +153,9 @@ class RolloutWorker:
             self._take()
         if not self.engine.has_unfinished():
             return False
+        t0 = time.perf_counter()
         finished = self.engine.step()
+        self.counters["decode_s"] += time.perf_counter() - t0
         stats = self.engine.stats()
         self._kv_peak = max(self._kv_peak, stats.kv_used)
         self.counters["steps"] += 1
@@ -123,10 +175,15 @@ class RolloutWorker:
             return
         self._last_poll = now
         current = -1 if self.engine is None else self.engine.weight_version
+        t0 = time.perf_counter()
         got = self.weights.newer_than(current)
-        if got is None:
-            return
+        self.counters["pull_s"] += time.perf_counter() - t0
+        if got is not None:
+            self._load(got, in_flight)
+
+    def _load(self, got: tuple[int, dict], in_flight: bool) -> None:
         version, tensors = got
+        t0 = time.perf_counter()
         if self.engine is None:
             self.engine = self._make_engine(tensors, version)
         else:
@@ -134,6 +191,10 @@ class RolloutWorker:
             self.engine.load_weights(tensors, version)
             self.engine.add([p.to_request() for p in partials])
             self.counters["interrupts"] += bool(partials)
+        self.counters["reload_s"] += time.perf_counter() - t0
+        self._pulled(version, in_flight)
+
+    def _pulled(self, version: int, in_flight: bool) -> None:
         self._released = False
         self.counters["pulls"] += 1
         self._event("pull", version=version, interrupted=int(in_flight),
@@ -143,7 +204,9 @@ class RolloutWorker:
         free = self.groups_per_batch - len(self.groups)
         if free <= 0:
             return
+        t0 = time.perf_counter()
         groups = call(self.data.issue, free, self.id, self.engine.weight_version)
+        self.counters["rpc_s"] += time.perf_counter() - t0
         if not groups:
             return
         if not self.groups:  # a new batch: its ramp-down is measured from its own peak
@@ -178,7 +241,9 @@ class RolloutWorker:
         group.timings[index] = (c.timings.first_token or c.timings.finished, c.timings.finished)
         if len(group.done) == group.group.group_size:
             del self.groups[gid]
-            self._score(group)
+            t0 = time.perf_counter()
+            self._score(group)  # hands the group to the reward pool (scored off the decode loop)
+            self.counters["reward_s"] += time.perf_counter() - t0
             self._retry_undelivered()
 
     def _decode(self, tokens, key) -> str | None:
@@ -250,7 +315,10 @@ class RolloutWorker:
     def _retry_undelivered(self) -> None:
         self._collect_scored()
         while self.undelivered:
-            if not call(self.data.deliver, self.undelivered[0]):
+            t0 = time.perf_counter()
+            ok = call(self.data.deliver, self.undelivered[0])
+            self.counters["rpc_s"] += time.perf_counter() - t0
+            if not ok:
                 return  # buffer full: back-pressure, retry next tick
             self.undelivered.pop(0)
             self.counters["groups_delivered"] += 1
@@ -263,7 +331,9 @@ class RolloutWorker:
         return out + [p for g in self.groups.values() for p in g.done.values()]
 
     def _stream(self) -> None:
+        t0 = time.perf_counter()
         send(self.data.update_partials, self._snapshot())  # the loop never waits on it
+        self.counters["rpc_s"] += time.perf_counter() - t0
         self._steps_since_stream, self._last_stream = 0, time.time()
 
     # ------------------------------------------------------------------ manager calls

@@ -12,6 +12,8 @@ from typing import Any
 
 import ray
 
+from laminar_jax.runtime import compile_cache
+
 LOGICAL_CPUS = 16
 
 
@@ -25,12 +27,14 @@ def start(cfg: Any) -> bool:
         return False
     address = os.environ.get("RAY_ADDRESS") or cfg.run.ray_address
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True,
+                 runtime_env={"env_vars": compile_cache.env(cfg.run.compile_cache)})
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}})
+             runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+                                       **compile_cache.env(cfg.run.compile_cache)}})
     return True
 
 

@@ -11,7 +11,12 @@ the groups of one global batch in the global-batch modes).
 """
 from __future__ import annotations
 
+import functools
+import threading
+import time
 from typing import Sequence
+
+import ray
 
 from laminar_jax.data.buffer import ExperienceBuffer, ledger_balance
 from laminar_jax.data.partial_pool import PartialPool
@@ -47,11 +52,38 @@ class BatchSampler:
         pass
 
 
+CONCURRENCY_GROUPS = {"wait": 1}
+
+
+def _serialised(cls):
+    """Every public method runs under the actor's condition lock (the actor is threaded so that
+    `wait_sample` can block while deliveries go on) and wakes the waiters when it returns."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def locked(self, *args, **kwargs):
+            with self._cond:
+                out = fn(self, *args, **kwargs)
+                self._cond.notify_all()
+                return out
+        return locked
+    for name, fn in list(vars(cls).items()):
+        if callable(fn) and not name.startswith("_") and name != "wait_sample":
+            setattr(cls, name, wrap(fn))
+    return cls
+
+
+@_serialised
 class DataActor:
-    """Prompt pool + partial pool + buffer with the mode's issue and sampling rules."""
+    """Prompt pool + partial pool + buffer with the mode's issue and sampling rules.
+
+    `wait_sample` blocks the learner until enough groups are buffered (woken by every other
+    call) in its own concurrency group ("wait", `CONCURRENCY_GROUPS`); every other method runs in
+    the default group, one at a time in call order, and under the same lock.
+    """
 
     def __init__(self, pool_kwargs: dict, buffer_kwargs: dict, *, mode: str, global_batch: int,
                  max_staleness: int | None):
+        self._cond = threading.Condition(threading.RLock())
         self.mode = modes.check_mode(mode)
         self.global_batch = global_batch
         self.max_staleness = max_staleness
@@ -135,6 +167,19 @@ class DataActor:
             if have < num_groups:
                 return []
         return self.buffer.sample(num_groups, learner_version)
+
+    @ray.method(concurrency_group="wait")
+    def wait_sample(self, num_groups: int, learner_version: int, batch_index: int | None = None,
+                    timeout_s: float = 1.0) -> list[list[Trajectory]]:
+        """`sample`, blocking up to `timeout_s` until it has the groups ([] after that)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                groups = self.sample(num_groups, learner_version, batch_index)
+                left = deadline - time.monotonic()
+                if groups or left <= 0:
+                    return groups
+                self._cond.wait(left)
 
     def set_learner_version(self, version: int) -> None:
         self.learner_version = max(self.learner_version, int(version))

@@ -25,7 +25,7 @@ import ray
 from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
 from laminar_jax.rewards.health import RewardWatch
-from laminar_jax.runtime import cluster, progress
+from laminar_jax.runtime import breakdown, cluster, compile_cache, progress
 from laminar_jax.runtime.fleet import Fleet
 
 
@@ -58,42 +58,49 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     learner update at least min_update_s, emulating accelerator-bound rollouts and learner.
     """
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
+    compile_cache.enable(cfg.run.compile_cache)   # the warm-up's compiles too
     model_dir = cfg.model.hf_path
     if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
         model_dir = warm_up(cfg, run_dir)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=model_dir))
-    owns_ray = cluster.start(cfg)
-    writer = RunWriter(run_dir, cfg)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    clock = progress.StartupClock(say)
+    owns_ray = cluster.start(cfg)
+    clock.mark("ray", "ray up" if owns_ray else "ray (already running)")
+    writer = RunWriter(run_dir, cfg)
     try:
-        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s)
+        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock)
     finally:
         writer.close()
         if owns_ray:
             ray.shutdown()
 
 
-def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s) -> dict:
+def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock) -> dict:
     t0 = time.time()
     events = lambda kind, **f: writer.log_event(kind, **{k: v for k, v in f.items() if k != "time"})  # noqa: E731
     fleet = Fleet.start(cfg, run_dir, model_dir, events=events, latency_model=latency_model,
-                        min_update_s=min_update_s)
+                        min_update_s=min_update_s, on_phase=clock.mark)
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
     start = ray.get(fleet.learner.current_version.remote())
+    # steps as in the metrics' `step` column (0-based); paths on their own line
     say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts, relays "
-        f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, model "
-        f"{model_dir or cfg.model.preset}, steps {start}..{cfg.run.steps}, run folder {run_dir}")
+        f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, "
+        f"steps {start}..{cfg.run.steps - 1}")
+    say(f"  model {model_dir or cfg.model.preset}\n  run folder {run_dir}")
     meter, rows = progress.RolloutMeter(), []
     watch = RewardWatch(max_error_rate=cfg.reward.max_error_rate, error_window=cfg.reward.error_window)
     pending = fleet.learner.step.remote() if start < cfg.run.steps else None
     try:
         for step in range(start, cfg.run.steps):
             out = ray.get(pending)
+            if step == start:
+                clock.mark("first_step", f"first RL step done (v{out['version']}); training")
             fleet.manager.kick.remote()
             # the learner starts its next iteration while this one is logged
             pending = fleet.learner.step.remote() if step + 1 < cfg.run.steps else None
-            m = dict(out["metrics"])
+            m = dict(out["metrics"], **{"time/unix_s": time.time()})   # when the step ended (benchmarks)
             stats = fleet.live_stats()
             m.update(meter.update(stats))
             for line in watch.update(stats):  # reward failures: console, and a stop past the rate
@@ -101,9 +108,12 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             watch.check()
             acc = ray.get(fleet.data.accounting.remote())
             m.update({f"ledger/{k}": v for k, v in acc.items()})
+            events = out["events"] + fleet.drain_events(check_relays=step % 10 == 0)
+            m.update(breakdown.relay_times(fleet.relay_events))
+            m.update(breakdown.overhead(m))
             writer.log_step(step, m)
             writer.log_trajectories(out["trajectories"])
-            _log_events(writer, out["events"] + fleet.drain_events(check_relays=step % 10 == 0))
+            _log_events(writer, events)
             rows.append(m)
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
                 say(progress.step_line(step, cfg.run.steps, m))
@@ -115,6 +125,8 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
         _log_events(writer, fleet.stop())
     summary = progress.summary(rows, wall_s=time.time() - t0, accounting=accounting, counters=counters)
     summary["run_dir"] = run_dir
+    summary["startup"] = clock.phases
+    writer.log_event("startup", **clock.phases)
     writer.log_event("summary", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
     say(progress.summary_text(summary))
     return summary

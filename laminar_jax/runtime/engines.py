@@ -76,7 +76,10 @@ class EngineFactory:
 
     def __call__(self, tensors: dict, version: int):
         from laminar_jax.models.hf import hf_to_params
+        from laminar_jax.runtime import compile_cache
         from rollout.jax_engine import JaxEngine
+
+        compile_cache.enable(self.cfg.run.compile_cache)
 
         mcfg = model_config(self.cfg, self.model_dir)
         r = self.cfg.rollout

@@ -15,10 +15,13 @@ from laminar_jax.data.prompt_pool import PromptEncoder
 from laminar_jax.manager.manager import RolloutManager
 from laminar_jax.rewards.registry import RewardScorer, resolve_reward
 from laminar_jax.runtime import cluster, engines
-from laminar_jax.runtime.data_actor import DataActor
+from laminar_jax.runtime.data_actor import CONCURRENCY_GROUPS, DataActor
 from laminar_jax.runtime.learner_actor import Learner
 from laminar_jax.runtime.weights_source import RelaySource, StoreSource
 from rollout.worker import RolloutWorker
+
+# learner init and the first publish (compiles included) on a loaded machine
+STARTUP_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -31,10 +34,17 @@ class Fleet:
     relays: Any = None
     manager_loop: Any = None
     bad_rows: list = field(default_factory=list)
+    relay_events: list = field(default_factory=list)   # the relays' records of the last drain
 
     @classmethod
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
-              latency_model: Any = None, resume: bool = True, min_update_s: float = 0.0) -> "Fleet":
+              latency_model: Any = None, resume: bool = True, min_update_s: float = 0.0,
+              on_phase: Any = None) -> "Fleet":
+        """Start-up order (DESIGN.md "Processes"): the data and learner actors are created first
+        and the learner initialises while the relays and, with relays on, the rollouts start
+        (their engines are built on the first weights they pull). on_phase(key, text) is told each
+        phase as it ends (key: the summary's `startup` entry, text: the start-up line)."""
+        phase = on_phase or (lambda key, text: None)
         mesh = cfg.mesh
         learner_devices = max(1, mesh.data) * mesh.fsdp * mesh.tensor
         kind = cluster.accelerator_kind()
@@ -47,16 +57,33 @@ class Fleet:
         buffer_kw = buffer_kwargs(cfg.data, seed=cfg.run.seed)
         # the learner takes a whole global batch at once: a smaller buffer could never hold one
         buffer_kw["capacity_groups"] = max(buffer_kw["capacity_groups"], cfg.learner.global_batch_groups)
-        data = ray.remote(DataActor).options(num_cpus=0, max_concurrency=1).remote(
+        data = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(DataActor).options(num_cpus=0, max_concurrency=1).remote(
             pool_kw, buffer_kw, mode=cfg.manager.mode,
             global_batch=cfg.learner.global_batch_groups, max_staleness=cfg.manager.max_staleness)
         nodes = cluster.alive_nodes()
         learner = ray.remote(Learner).options(**cluster.actor_options(
             kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4)).remote(
             cfg, run_dir, data, resume=resume, min_update_s=min_update_s)
-        store = ray.get(learner.weight_store.remote())
+        phase("actors", "learner and data actors created; learner initialising (jax, model, optimizer)")
         mcfg = engines.model_config(cfg, model_dir)
         relays, prefix = None, f"laminar-relay-{cfg.run.name}-{uuid.uuid4().hex[:6]}"
+        workers, loops = {}, {}
+
+        def start_rollouts(store):
+            for i in range(cfg.rollout.num_rollouts):
+                rid = f"rollout-{i}"
+                source = RelaySource(prefix) if store is None else StoreSource(store, mcfg)
+                factory = engines.EngineFactory(cfg, model_dir, seed=cfg.run.seed * 1000 + i, latency_model=latency_model)
+                opts = cluster.actor_options(kind, need["rollout"], node=nodes[i % len(nodes)], max_concurrency=8)
+                workers[rid] = ray.remote(RolloutWorker).options(**opts).remote(
+                    rid, cfg, data, source, factory, tokenizer, RewardScorer(reward))
+                loops[rid] = workers[rid].run.remote()
+
+        if cfg.relay.enabled:   # rollouts wait on their relay: they can start before the learner is up
+            start_rollouts(None)
+            phase("rollouts", f"{cfg.rollout.num_rollouts} rollouts starting (they wait for the first weights)")
+        store = ray.get(learner.weight_store.remote(), timeout=STARTUP_TIMEOUT_S)
+        phase("learner", "learner ready")
         if cfg.relay.enabled:
             from laminar_jax.weights.relay_group import RelayGroup
             relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=cfg.relay.num_chunks or None,
@@ -66,16 +93,11 @@ class Fleet:
                                 on_master_change=[lambda m: ray.get(learner.set_master.remote(m))],
                                 events=events, runtime_env={"env_vars": {
                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})
-        ray.get(learner.publish.remote())
-        workers, loops = {}, {}
-        for i in range(cfg.rollout.num_rollouts):
-            rid = f"rollout-{i}"
-            source = RelaySource(prefix) if relays is not None else StoreSource(store, mcfg)
-            factory = engines.EngineFactory(cfg, model_dir, seed=cfg.run.seed * 1000 + i, latency_model=latency_model)
-            opts = cluster.actor_options(kind, need["rollout"], node=nodes[i % len(nodes)], max_concurrency=8)
-            workers[rid] = ray.remote(RolloutWorker).options(**opts).remote(
-                rid, cfg, data, source, factory, tokenizer, RewardScorer(reward))
-            loops[rid] = workers[rid].run.remote()
+            phase("relays", f"{len(nodes)} relay(s) up")
+        ray.get(learner.publish.remote(), timeout=STARTUP_TIMEOUT_S)
+        phase("publish", "first weights published; rollouts building engines")
+        if not cfg.relay.enabled:
+            start_rollouts(store)
         manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(cfg, workers, data)
         fleet = cls(data, learner, manager, workers, loops, relays, bad_rows=list(dataset.bad_rows))
         fleet.manager_loop = manager.run.remote()
@@ -102,7 +124,7 @@ class Fleet:
         if self.relays is not None:
             if check_relays:
                 self.relays.check()
-            self.relays.collect_events()
+            self.relay_events = self.relays.collect_events()   # already logged; kept for the breakdown
         return recs
 
     def stop(self) -> list[dict]:

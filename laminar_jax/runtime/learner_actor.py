@@ -22,10 +22,13 @@ import ray
 
 from laminar_jax.manager import modes
 from laminar_jax.runtime import batch as B
+from laminar_jax.runtime import breakdown, compile_cache
 from laminar_jax.runtime import rl_step
 from laminar_jax.runtime.checkpoint import Checkpointer
 
 STALL_TIMEOUT_S = 900.0
+# one blocking wait on the data actor; the learner re-asks until STALL_TIMEOUT_S
+SAMPLE_WAIT_S = 5.0
 
 
 class Learner:
@@ -39,6 +42,7 @@ class Learner:
         from laminar_jax.weights.publish import Publisher, WeightStore
 
         self.cfg, self.data, self._jax, self._shd = cfg, data, jax, shd
+        compile_cache.enable(cfg.run.compile_cache)   # also when Ray was started without its env
         # benchmarks only: an update lasts at least this long (an accelerator-bound learner)
         self.min_update_s = float(min_update_s)
         self.mode = cfg.manager.mode
@@ -48,6 +52,7 @@ class Learner:
         self.fns = rl_step.build(cfg, self.setup, mini_batch_rows=rows)
         self.state, self.version = self.setup.state, 0
         self._lock, self._events = threading.Lock(), []
+        self._publish_t0, self._write_s = {}, 0.0
         self.checkpointer = Checkpointer(run_dir)
         latest = self.checkpointer.latest() if resume else None
         if latest is not None:
@@ -68,10 +73,18 @@ class Learner:
                              args=(cfg, self.fns, jax.tree.map(
                                  lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)),
                              kwargs=dict(num_groups=self.global_batch // k, events=self._event)).start()
+        self._checkpoint_s = 0.0
 
     # ------------------------------------------------------------------ plumbing
     def _event(self, kind: str, **fields: Any) -> None:
         with self._lock:
+            # the orbax write runs in the background: its duration, for the step breakdown
+            if kind == "publish_start":
+                self._publish_t0[fields["version"]] = time.perf_counter()
+            elif kind == "publish_written" and fields.get("version") in self._publish_t0:
+                fields["write_s"] = self._write_s = time.perf_counter() - self._publish_t0.pop(fields["version"])
+                # superseded writes never finish: forget them
+                self._publish_t0 = {v: t for v, t in self._publish_t0.items() if v > fields["version"]}
             self._events.append({"kind": kind, **fields})
 
     def weight_store(self):
@@ -96,18 +109,20 @@ class Learner:
         start = time.time()
         batch_index = self.version if modes.uses_global_batches(self.mode) else None
         while True:
-            groups = ray.get(self.data.sample.remote(num_groups, self.version, batch_index))
+            # blocks in the data actor until the groups are there (no polling loop)
+            groups = ray.get(self.data.wait_sample.remote(num_groups, self.version, batch_index, SAMPLE_WAIT_S),
+                             timeout=SAMPLE_WAIT_S + 60)
             if groups:
                 return groups, time.time() - start
             if time.time() - start > STALL_TIMEOUT_S:
                 raise RuntimeError(f"learner: no {num_groups} groups for version {self.version} after "
                                    f"{STALL_TIMEOUT_S:.0f} s; rollouts dead or stalled "
-                                   f"(accounting {ray.get(self.data.accounting.remote())})")
-            time.sleep(0.02)
+                                   f"(accounting {ray.get(self.data.accounting.remote(), timeout=60)})")
 
     def _update(self, groups: list, mini_batches: int) -> tuple[dict, list[dict]]:
         from laminar_jax.learner.train_step import NonFiniteLossError
 
+        clock = time.perf_counter()
         lc = self.cfg.learner
         rows = len(groups) * self.group_size
         groups, rejected = B.reject_too_long(groups, lc.max_seq_len)
@@ -119,6 +134,7 @@ class Learner:
         batch = B.assemble(groups, learner_version=self.version, max_seq_len=lc.max_seq_len,
                            min_len=min(lc.min_bucket, lc.max_seq_len), rows=rows)
         batch["advantages"], metrics = self.fns.advantages(batch, len(groups))
+        clock = self._times.add("batch_s", clock)
         mbs = B.layout(batch, mini_batches, pack_rows=lc.pack, max_seq_len=lc.max_seq_len,
                        row_multiple=self.fns.row_multiple)
         for mb in mbs:  # before any update: prox/ref log-probs are of this version's params
@@ -126,6 +142,7 @@ class Learner:
                 mb["prox_logp"] = self.fns.logprobs(self.fns.prox_params(self.state), mb)
             if self.fns.needs_ref:
                 mb["ref_logp"] = self.fns.logprobs(self.ref_params, mb)
+        clock = self._times.add("logprob_s", clock)
         metrics.update({"learner/rejected_too_long": float(self.rejected_too_long),
                         "learner/token_fill": float(np.mean([(mb["segment_ids"] > 0).mean() for mb in mbs])),
                         "learner/rows": float(mbs[0]["tokens"].shape[0]),
@@ -138,7 +155,8 @@ class Learner:
             except NonFiniteLossError as e:
                 self.state, m = e.state, e.metrics
                 self._event("nonfinite_loss", version=self.version, loss=m.get("loss"))
-            steps.append(rl_step.scalar_metrics(m, "loss/"))
+            steps.append(rl_step.scalar_metrics(m, "loss/"))   # float(): waits for the update
+        self._times.add("update_s", clock)
         for key in steps[0]:
             metrics[key] = float(np.mean([s[key] for s in steps]))
         return metrics, [dict(t.log_row(self.version), learner_version=self.version) for g in groups for t in g]
@@ -146,6 +164,7 @@ class Learner:
     def step(self) -> dict:
         """One iteration; returns {"metrics", "trajectories", "events", "version"}."""
         t_start, v = time.time(), self.version
+        self._times = breakdown.Stopwatch()
         k = self.cfg.learner.mini_batches
         parts = [(self.global_batch // k, 1)] * k if modes.streams_minibatches(self.mode) \
             else [(self.global_batch, k)]
@@ -159,10 +178,13 @@ class Learner:
             rows += r
         metrics = {key: float(np.mean([m[key] for m in metrics_parts])) for key in metrics_parts[0]}
         short = self.min_update_s - (time.time() - t_start - waited)
-        if short > 0:
+        if short > 0:   # benchmarks: the emulated accelerator-bound update is update time
             time.sleep(short)
+            self._times.times["update_s"] += short
         self.version = v + 1
+        clock = time.perf_counter()
         self.publisher.publish(self.version, self.state.params)
+        self._times.add("publish_s", clock)
         self.data.set_learner_version.remote(self.version)
         end = time.time()
         wall = max(end - self._last_end, 1e-9)
@@ -175,10 +197,17 @@ class Learner:
                        learner_wait_s=waited, learner_update_s=end - t_start - waited, step_wall_s=wall,
                        learner_idle_frac=min(1.0, (waited + t_start - self._last_end) / wall),
                        trajectories_per_s=len(rewards) / wall, tokens_per_s=tokens / wall)
+        self._times.times["wait_data_s"] = waited
+        metrics.update(self._times.learner_step(wall=wall, gap=t_start - self._last_end,
+                                                checkpoint=self._checkpoint_s))
+        metrics["time/publish_write_s"] = self._write_s   # background (newest finished write)
         self._last_end = end
         every = self.cfg.run.checkpoint_every
+        clock = time.perf_counter()
         if (every and self.version % every == 0) or self.version >= self.cfg.run.steps:
             self.checkpoint()
+        # after `end`: it delays the next step, whose breakdown carries it
+        self._checkpoint_s = time.perf_counter() - clock
         with self._lock:
             events, self._events = self._events, []
         return {"metrics": metrics, "trajectories": rows, "events": events, "version": self.version}

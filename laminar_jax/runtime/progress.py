@@ -6,6 +6,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from laminar_jax.runtime import breakdown
+
+# what `step_line` prints must fit one terminal line; everything else is in the metrics
+MAX_LINE = 120
+
 
 class RolloutMeter:
     """Per-step rollout idle fraction, KV use and generation tokens/s from the workers' counters."""
@@ -16,24 +21,47 @@ class RolloutMeter:
 
     def update(self, stats: Sequence[dict]) -> dict[str, float]:
         now, d = time.time(), {"idle_s": 0.0, "busy_s": 0.0, "tokens": 0.0, "steps": 0.0, "kv_time": 0.0}
+        per_rollout = []
         for s in stats:
-            prev = self._prev.get(s["id"], {k: 0.0 for k in d})
+            prev = self._prev.get(s["id"], {})
+            delta = {k: s.get(k, 0.0) - prev.get(k, 0.0) for k in tuple(d) + breakdown.ROLLOUT_PARTS}
             for k in d:
-                d[k] += s[k] - prev.get(k, 0.0)
+                d[k] += delta[k]
+            per_rollout.append(delta)
             self._prev[s["id"]] = s
         wall, self._t = max(now - self._t, 1e-9), now
         total = d["idle_s"] + d["busy_s"]
         return {"rollout_idle_frac": d["idle_s"] / total if total else 1.0,
                 "kv_use_mean": d["kv_time"] / d["steps"] if d["steps"] else 0.0,
-                "gen_tokens_per_s": d["tokens"] / wall, "live_rollouts": float(len(stats))}
+                "gen_tokens_per_s": d["tokens"] / wall, "live_rollouts": float(len(stats)),
+                **breakdown.rollout_split(per_rollout)}
+
+
+class StartupClock:
+    """The start-up line: `mark(key, text)` prints the seconds since the clock started and what
+    just finished; `phases` keeps {key: seconds} for the summary (key None: printed only)."""
+
+    def __init__(self, say, t0: float | None = None):
+        self.say, self.t0 = say, time.time() if t0 is None else t0
+        self.phases: dict[str, float] = {}
+
+    def mark(self, key: str | None, text: str) -> float:
+        elapsed = time.time() - self.t0
+        if key is not None:
+            self.phases[f"{key}_s"] = elapsed
+        self.say(f"start-up {elapsed:5.1f} s: {text}"[:MAX_LINE])
+        return elapsed
 
 
 def step_line(step: int, total: int, m: dict[str, Any]) -> str:
-    return (f"step {step + 1:>4}/{total}  v{int(m['version']):<4} reward {m['reward_mean']:.3f}  "
-            f"len {m['response_len_mean']:5.1f}  stale mean {m['staleness_mean']:.2f} max {int(m['staleness_max'])}  "
-            f"consumed {m['tokens_per_s']:7.0f} tok/s  gen {m.get('gen_tokens_per_s', 0):7.0f} tok/s  "
-            f"idle learner {m['learner_idle_frac']:.0%} rollouts {m.get('rollout_idle_frac', 0):.0%}  "
-            f"kv {m.get('kv_use_mean', 0):.0%}")
+    """One line (<= MAX_LINE characters) per logged step. `step` is the metrics' `step` column
+    (0-based, so the last of `total` steps prints as total-1/total-1)."""
+    line = (f"step {step:>4}/{total - 1} v{int(m['version'])} reward {m['reward_mean']:.3f} "
+            f"len {m['response_len_mean']:.1f} stale {m['staleness_mean']:.2f}/{int(m['staleness_max'])} "
+            f"{m['tokens_per_s']:.0f} tok/s gen {m.get('gen_tokens_per_s', 0):.0f} "
+            f"idle L{m['learner_idle_frac']:.0%} R{m.get('rollout_idle_frac', 0):.0%} "
+            f"{m.get('time/step_wall_s', 0):.2f}s/step ovh {m.get('time/overhead_frac', 0):.0%}")
+    return line[:MAX_LINE]
 
 
 def summary(rows: Sequence[dict], *, wall_s: float, accounting: dict, counters: dict) -> dict[str, Any]:
@@ -49,7 +77,7 @@ def summary(rows: Sequence[dict], *, wall_s: float, accounting: dict, counters: 
             "staleness_max": float(max(m["staleness_max"] for m in rows)),
             "trajectories": int(sum(m["consumed_trajectories"] for m in rows)),
             "tokens_per_s": float(np.mean([m["tokens_per_s"] for m in rows])),
-            "accounting": accounting, "manager": counters}
+            "breakdown": breakdown.summarise(rows), "accounting": accounting, "manager": counters}
 
 
 def summary_text(s: dict) -> str:
@@ -61,4 +89,13 @@ def summary_text(s: dict) -> str:
             f"{s['trajectories']} trajectories, {s['tokens_per_s']:.0f} consumed tok/s\n"
             f"ledger: issued {a['issued']} = consumed {a['consumed']} + buffered {a['buffered']} + in flight "
             f"{a['in_flight']} + requeued {a['requeued']} + dropped {a['dropped']} + rejected {a['rejected']}"
-            f" (unaccounted {a['unaccounted']}); manager {s['manager']}")
+            f" (unaccounted {a['unaccounted']}); manager {s['manager']}" + breakdown_text(s.get("breakdown", {})))
+
+
+def breakdown_text(b: dict) -> str:
+    """The mean step's time split, one line (empty when there is none)."""
+    if "step_wall_s" not in b:
+        return ""
+    parts = " + ".join(f"{k[:-2]} {b[k]:.3f}" for k in breakdown.LEARNER_PARTS + ("unaccounted_s",) if k in b)
+    return (f"\nmean step {b['step_wall_s']:.3f} s = {parts}; decode {b.get('wait_decode_s', 0):.3f} of the wait;"
+            f" overhead {b.get('overhead_frac', 0):.0%}")

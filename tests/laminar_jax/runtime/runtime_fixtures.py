@@ -36,7 +36,7 @@ def base_config(tmp_dir: str, name: str, model_dir: str, **sections) -> Config:
                  "learner.global_batch_groups=4", "learner.max_seq_len=32", "rollout.max_new_tokens=8",
                  "rollout.max_concurrency=32", "rollout.kv_budget_tokens=1024", "optimizer.lr=3e-4",
                  "optimizer.schedule=constant", "manager.repack_interval_s=0.5", "run.steps=10",
-                 "reward.fn=task"]
+                 "reward.fn=task", f"run.compile_cache={CACHE}"]
     overrides += [f"{k}={v}" for k, v in sections.items()]
     return load_config("configs/default.yaml", overrides)
 
