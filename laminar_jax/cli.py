@@ -82,7 +82,25 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     cfg = _load(path, overrides)
     run = _import_entry("laminar_jax.runtime.driver", "run", "the RL runtime",
                         "; `laminar sft` runs supervised training meanwhile")
-    run(cfg)
+    return _with_resume_hint(run, cfg, ns.args)
+
+
+def _with_resume_hint(run: Callable, cfg, args: Sequence[str]) -> int:
+    """Run `laminar train`; a crash (or Ctrl-C) prints its traceback, then what the run folder
+    keeps and the exact command that resumes it. Exit code 1 (130 for Ctrl-C)."""
+    from laminar_jax.config_loader import ConfigError
+    try:
+        run(cfg)
+    except (_Usage, ConfigError):
+        raise
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash gets the hint
+        import traceback
+
+        from laminar_jax.runtime.run_folder import resume_hint
+        traceback.print_exc()
+        print(f"laminar train crashed: {type(e).__name__}: {e}\n{resume_hint(cfg, args)}",
+              file=sys.stderr, flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
     return 0
 
 

@@ -8,10 +8,12 @@
 
 The driver starts the actors (`fleet.Fleet`), then, per learner step: ask the learner for one
 iteration, kick the manager (repack right after a publish), gather rollout stats and events,
-write the run folder (metrics.parquet, trajectories.parquet, events.jsonl, TensorBoard) and print
+write the run folder (metrics/ and trajectories/ part files, events.jsonl, trackers) and print
 a progress line. A model given as a preset (no `model.hf_path`) on a built-in task first gets the
-supervised warm-up of `laminar sft` (real post-training starts from an SFT model); a run folder
-with a checkpoint resumes from it.
+supervised warm-up of `laminar sft` (real post-training starts from an SFT model). An existing
+run folder is resumed from its latest committed checkpoint, or refused, per `run.resume`
+(`run_folder.plan`, decided before Ray starts); a resumed run drops the rows the folder holds
+from the resumed step on, so every step and trajectory is logged once.
 """
 from __future__ import annotations
 
@@ -24,17 +26,17 @@ import ray
 
 from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
-from laminar_jax.runtime import cluster, progress
+from laminar_jax.runtime import cluster, progress, run_folder
 from laminar_jax.runtime.fleet import Fleet
 
 
 def warm_up(cfg: Any, run_dir: str) -> str:
-    """Supervised warm-up into `<run_dir>/sft/sft_model` (reused when already there)."""
+    """Supervised warm-up into `<run_dir>/sft/sft_model` (reused when already there, e.g. made by
+    `laminar sft` with the same run name)."""
     model_dir = os.path.join(run_dir, "sft", "sft_model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         from laminar_jax.learner import sft
-        sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir, name="sft",
-                                                                   log_every=max(1, cfg.sft.steps // 10)))
+        sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, log_every=max(1, cfg.sft.steps // 10)))
         print(f"warm-up: {cfg.sft.steps} supervised steps on {cfg.data.task} before RL", flush=True)
         sft.run(sft_cfg)
     return model_dir
@@ -57,6 +59,7 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     learner update at least min_update_s, emulating accelerator-bound rollouts and learner.
     """
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
+    plan = run_folder.plan(cfg, run_dir)  # refuses a folder it must not touch, before anything starts
     model_dir = cfg.model.hf_path
     if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
         model_dir = warm_up(cfg, run_dir)
@@ -64,22 +67,31 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     owns_ray = cluster.start(cfg)
     writer = RunWriter(run_dir, cfg)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    say(plan.note)
     try:
-        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s)
+        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, plan)
     finally:
         writer.close()
+        # the learner removes its weight store on close; a killed one leaves it (pid now dead)
+        run_folder.clean_stale_stores(cfg.relay.store_dir)
         if owns_ray:
             ray.shutdown()
 
 
-def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s) -> dict:
+# per-step metrics the summary needs (the full rows are on disk: memory stays flat in run length)
+_SUMMARY_KEYS = ("reward_mean", "exact_rate", "staleness_mean", "staleness_max", "consumed_trajectories",
+                 "tokens_per_s")
+
+
+def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, plan) -> dict:
     t0 = time.time()
     events = lambda kind, **f: writer.log_event(kind, **{k: v for k, v in f.items() if k != "time"})  # noqa: E731
     fleet = Fleet.start(cfg, run_dir, model_dir, events=events, latency_model=latency_model,
-                        min_update_s=min_update_s)
+                        min_update_s=min_update_s, resume=plan.resume)
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
     start = ray.get(fleet.learner.current_version.remote())
+    writer.rewind(start)  # rows of steps after the checkpoint (a crashed run's) are redone
     say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts, relays "
         f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, model "
         f"{model_dir or cfg.model.preset}, steps {start}..{cfg.run.steps}, run folder {run_dir}")
@@ -96,9 +108,9 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             acc = ray.get(fleet.data.accounting.remote())
             m.update({f"ledger/{k}": v for k, v in acc.items()})
             writer.log_step(step, m)
-            writer.log_trajectories(out["trajectories"])
+            writer.log_trajectories(out["trajectories"], step=step)
             _log_events(writer, out["events"] + fleet.drain_events(check_relays=step % 10 == 0))
-            rows.append(m)
+            rows.append({k: m[k] for k in _SUMMARY_KEYS if k in m})
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
                 say(progress.step_line(step, cfg.run.steps, m))
             if on_step is not None:
@@ -109,6 +121,12 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
         _log_events(writer, fleet.stop())
     summary = progress.summary(rows, wall_s=time.time() - t0, accounting=accounting, counters=counters)
     summary["run_dir"] = run_dir
+    if rows:  # exact answers (full reward), first and last quarter of the steps like the reward
+        k = max(1, len(rows) // 4)
+        summary["exact_rate_first"] = float(sum(r["exact_rate"] for r in rows[:k]) / k)
+        summary["exact_rate_last"] = float(sum(r["exact_rate"] for r in rows[-k:]) / k)
     writer.log_event("summary", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
     say(progress.summary_text(summary))
+    if rows:
+        say(f"exact answers: {summary['exact_rate_first']:.0%} -> {summary['exact_rate_last']:.0%} of trajectories")
     return summary

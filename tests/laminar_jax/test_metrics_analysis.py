@@ -203,7 +203,7 @@ def test_reward_gain_compares_within_strata():
     assert g["early"] == pytest.approx(0.55) and g["late"] == pytest.approx(0.7)
     assert g["gain"] == pytest.approx(0.15) and g["strata"] == 2
     assert (g["early_count"], g["late_count"]) == (8, 12)
-    with pytest.raises(KeyError, match="no column 'prompt_id'"):
+    with pytest.raises(KeyError, match="no column 'prompt_len'"):
         reward_gain(t)
     with pytest.raises(ValueError, match="fraction"):
         reward_gain(t, strata="n", fraction=0.7)
