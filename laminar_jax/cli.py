@@ -4,6 +4,7 @@
     laminar sft [CONFIG] [key=value ...]         supervised warm-up (laminar_jax.learner.sft)
     laminar train [CONFIG] [key=value ...]       RL post-training (laminar_jax.runtime.driver)
     laminar simulate CONFIG [key=value ...]      discrete-event simulator (laminar_jax.sim.cli)
+    laminar plot RUN [RUN ...] [--out DIR]       PNG panels of run folders (laminar_jax.plot)
 
 Heavy modules (jax, ray) are imported inside the handlers, after the config has loaded, so
 `--help` is instant and a config error costs nothing. Config errors print one line and exit 2.
@@ -104,6 +105,14 @@ def _with_resume_hint(run: Callable, cfg, args: Sequence[str]) -> int:
     return 0
 
 
+def _cmd_plot(ns: argparse.Namespace) -> int:
+    plot_main = _import_entry("laminar_jax.plot", "main", "plotting")
+    try:
+        return plot_main(ns.args)
+    except (FileNotFoundError, ValueError) as e:  # a missing or non-run folder, a bad panel name
+        raise _Usage(str(e)) from None
+
+
 def _cmd_simulate(ns: argparse.Namespace) -> int:
     path, overrides = _split_config(ns.args, required=True)
     sim_main = _import_entry("laminar_jax.sim.cli", "main", "the simulator")
@@ -141,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "decode-latency and response-length profiles.")
     sim.add_argument("args", nargs="+", metavar="CONFIG [key=value ...]", help=_OVERRIDES_HELP)
     sim.set_defaults(handler=_cmd_simulate)
+
+    plot = sub.add_parser("plot", help="PNG panels of run folders (reward, throughput, staleness, ...)",
+                          description="Write the standard panels of one run, or several side by side "
+                                      "(real or simulated run folders), as PNGs.", add_help=False)
+    plot.add_argument("args", nargs=argparse.REMAINDER, metavar="RUN [RUN ...] [--out DIR]")
+    plot.set_defaults(handler=_cmd_plot)
     return parser
 
 

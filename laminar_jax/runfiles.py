@@ -67,12 +67,14 @@ def parts(folder: pathlib.Path) -> list[tuple[int, int, int, pathlib.Path]]:
 
 def read_table(folder: pathlib.Path, legacy_file: pathlib.Path | None = None) -> pd.DataFrame | None:
     """Every part (after an older run folder's single file, if any) as one frame; None if none."""
-    frames = [pd.read_parquet(legacy_file)] if legacy_file is not None and legacy_file.is_file() else []
-    frames += [pd.read_parquet(p) for *_, p in parts(folder)]
-    frames = [f for f in frames if len(f)]
-    if not frames:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    paths = ([legacy_file] if legacy_file is not None and legacy_file.is_file() else [])
+    tables = [t for t in (pq.read_table(p) for p in paths + [p for *_, p in parts(folder)]) if t.num_rows]
+    if not tables:
         return None
-    return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+    # arrow's schema promotion: a column missing from a part is null there, int + float -> float
+    return pa.concat_tables(tables, promote_options="permissive").to_pandas()
 
 
 def _write(rows: list[dict], path: pathlib.Path) -> None:

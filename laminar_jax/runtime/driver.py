@@ -68,11 +68,14 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     writer = RunWriter(run_dir, cfg)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(plan.note)
+    stores: list[str] = []
     try:
-        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, plan)
+        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, plan, stores)
     finally:
         writer.close()
-        # the learner removes its weight store on close; a killed one leaves it (pid now dead)
+        # the learner removes its weight store on close; a crashed one leaves it behind
+        for root in stores:
+            run_folder.remove_store(root)
         run_folder.clean_stale_stores(cfg.relay.store_dir)
         if owns_ray:
             ray.shutdown()
@@ -83,13 +86,14 @@ _SUMMARY_KEYS = ("reward_mean", "exact_rate", "staleness_mean", "staleness_max",
                  "tokens_per_s")
 
 
-def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, plan) -> dict:
+def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, plan, stores) -> dict:
     t0 = time.time()
     events = lambda kind, **f: writer.log_event(kind, **{k: v for k, v in f.items() if k != "time"})  # noqa: E731
     fleet = Fleet.start(cfg, run_dir, model_dir, events=events, latency_model=latency_model,
                         min_update_s=min_update_s, resume=plan.resume)
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
+    stores.append(ray.get(fleet.learner.weight_store.remote()).root)
     start = ray.get(fleet.learner.current_version.remote())
     writer.rewind(start)  # rows of steps after the checkpoint (a crashed run's) are redone
     say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts, relays "
@@ -104,7 +108,10 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             # the learner starts its next iteration while this one is logged
             pending = fleet.learner.step.remote() if step + 1 < cfg.run.steps else None
             m = dict(out["metrics"])
-            m.update(meter.update(fleet.live_stats()))
+            stats = fleet.live_stats()
+            m.update(meter.update(stats))
+            # per-rollout KV use now, and the step's wall clock (the timeline of `laminar plot`)
+            m.update({f"kv_use/{st['id']}": float(st["kv_used"]) for st in stats}, wall_time=time.time())
             acc = ray.get(fleet.data.accounting.remote())
             m.update({f"ledger/{k}": v for k, v in acc.items()})
             writer.log_step(step, m)

@@ -51,7 +51,7 @@ class Learner:
         self.fns = rl_step.build(cfg, self.setup, mini_batch_rows=rows)
         self.state, self.version = self.setup.state, 0
         self._lock, self._events = threading.Lock(), []
-        self.checkpointer = Checkpointer(run_dir)
+        self.checkpointer = Checkpointer(run_dir, on_commit=lambda rec: self._log_committed([rec]))
         latest = self.checkpointer.latest() if resume else None
         if latest is not None:
             self.state, meta = self.checkpointer.restore(latest, self.state)
@@ -167,7 +167,6 @@ class Learner:
                           now=time.time(), every=run.checkpoint_every, every_s=run.checkpoint_every_s,
                           final_version=run.steps):
             self.checkpoint()
-        self._log_committed(self.checkpointer.committed())
         with self._lock:
             events, self._events = self._events, []
         return {"metrics": metrics, "trajectories": rows, "events": events, "version": self.version}

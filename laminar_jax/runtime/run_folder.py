@@ -167,3 +167,18 @@ def clean_stale_stores(store_dir: str) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def remove_store(root: str, *, wait_s: float = 15.0) -> bool:
+    """Remove the run's own weight store once its learner process is gone (a killed actor takes a
+    moment to exit); True when removed. Waits at most `wait_s`; a store whose process lives on is
+    left for `clean_stale_stores` at the next start."""
+    m = _STORE.match(os.path.basename(root))
+    if m is None or not os.path.isdir(root):
+        return False
+    deadline = time.time() + wait_s
+    while _alive(int(m.group(1))):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return str(root) in clean_stale_stores(os.path.dirname(root))
