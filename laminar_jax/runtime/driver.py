@@ -36,7 +36,10 @@ def warm_up(cfg: Any, run_dir: str) -> str:
     model_dir = os.path.join(run_dir, "sft", "sft_model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         from laminar_jax.learner import sft
-        sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, log_every=max(1, cfg.sft.steps // 10)))
+        # sft.run writes to <out_dir>/<name>/sft: point that at run_dir/sft
+        sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(
+            cfg.run, out_dir=os.path.dirname(os.path.abspath(run_dir)), name=os.path.basename(os.path.abspath(run_dir)),
+            log_every=max(1, cfg.sft.steps // 10)))
         print(f"warm-up: {cfg.sft.steps} supervised steps on {cfg.data.task} before RL", flush=True)
         sft.run(sft_cfg)
     return model_dir
