@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from laminar_jax.metrics import exact_rate
-
 from laminar_jax.manager import modes
+from laminar_jax.metrics import exact_rate
 from laminar_jax.runtime import batch as B
 from laminar_jax.runtime import rl_step
 from laminar_jax.runtime.checkpoint import Checkpointer, checkpoint_due

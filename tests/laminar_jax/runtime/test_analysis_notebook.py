@@ -25,7 +25,7 @@ def test_notebook_is_stored_without_outputs():
 def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(cluster, warm_model, tmp_path):
     import nbclient
     import nbformat
-    real = driver.run(base_config(str(tmp_path), "nb", warm_model, **{"run.steps": 4}), quiet=True)["run_dir"]
+    real = driver.run(base_config(str(tmp_path), "nb", warm_model, **{"run.steps": 3}), quiet=True)["run_dir"]
     assert cli.main(["simulate", str(REPO / "configs/sim/study_repack.yaml"), f"run.out_dir={tmp_path / 'sim'}",
                      "run.warmup_steps=1", "run.measure_steps=2"]) == 0
     env = {"LAMINAR_RUN": real, "LAMINAR_SIM_RUN": str(tmp_path / "sim" / "study_repack" / "repack_128"),
@@ -39,7 +39,7 @@ def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(cluster, warm
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert "nb: 4 steps" in text and "exact answers:" in text
+    assert "nb: 3 steps" in text and "exact answers:" in text
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == len(PANELS)
     assert all((tmp_path / "plots" / f"{p}.png").stat().st_size > 10_000 for p in PANELS)

@@ -56,6 +56,16 @@ def test_resume_modes_on_an_existing_folder(tmp_path):
         run_folder.plan(_cfg(tmp_path, "run.steps=3"), run_dir)
 
 
+def test_the_runs_own_warm_up_model_is_no_config_change(tmp_path):
+    """The driver stores the warm-up's model folder as model.hf_path; rerunning the command (hf_path
+    null, a preset) is the same config."""
+    warm = tmp_path / "r" / "sft" / "sft_model"
+    _make_run(tmp_path, f"model.hf_path={warm}")
+    assert run_folder.plan(_cfg(tmp_path), str(tmp_path / "r")).resume
+    with pytest.raises(ConfigError, match="model.hf_path"):
+        run_folder.plan(_cfg(tmp_path, f"model.hf_path={tmp_path / 'other'}"), str(tmp_path / "r"))
+
+
 def test_laminar_train_refuses_a_different_config_before_ray_starts(tmp_path, monkeypatch, capsys):
     from laminar_jax import cli
     from laminar_jax.runtime import driver
