@@ -99,6 +99,11 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
     stores.append(ray.get(fleet.learner.weight_store.remote()).root)
     start = ray.get(fleet.learner.current_version.remote())
     writer.rewind(start)  # rows of steps after the checkpoint (a crashed run's) are redone
+    stored = -1 if writer.last_step is None else writer.last_step
+    if start > 0 and stored < start - 1:  # a crash lost rows the checkpoint had already covered
+        writer.log_event("rows_missing", first_step=stored + 1, last_step=start - 1)
+        say(f"warning: the run folder lacks the metrics of steps {stored + 1}..{start - 1} (lost in a crash "
+            f"before they were written); checkpoint v{start} resumes after them")
     say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts, relays "
         f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, model "
         f"{model_dir or cfg.model.preset}, steps {start}..{cfg.run.steps}, run folder {run_dir}")
@@ -120,6 +125,10 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             writer.log_step(step, m)
             writer.log_trajectories(out["trajectories"], step=step)
             _log_events(writer, out["events"] + fleet.drain_events(check_relays=step % 10 == 0))
+            if out.get("checkpoint_started"):
+                # rows up to this step on disk before the checkpoint commits: a crash after the
+                # commit must not resume past steps whose rows were still in memory
+                writer.flush()
             rows.append({k: m[k] for k in _SUMMARY_KEYS if k in m})
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
                 say(progress.step_line(step, cfg.run.steps, m))

@@ -162,13 +162,16 @@ class Learner:
                        trajectories_per_s=len(rewards) / wall, tokens_per_s=tokens / wall)
         self._last_end = end
         run = self.cfg.run
-        if checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
-                          now=time.time(), every=run.checkpoint_every, every_s=run.checkpoint_every_s,
-                          final_version=run.steps):
+        saving = checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
+                                now=time.time(), every=run.checkpoint_every, every_s=run.checkpoint_every_s,
+                                final_version=run.steps)
+        if saving:
             self.checkpoint()
         with self._lock:
             events, self._events = self._events, []
-        return {"metrics": metrics, "trajectories": rows, "events": events, "version": self.version}
+        # checkpoint_started: the driver makes this step's rows durable before the save commits
+        return {"metrics": metrics, "trajectories": rows, "events": events, "version": self.version,
+                "checkpoint_started": saving}
 
     def checkpoint(self) -> int:
         meta = {"version": self.version, "data": ray.get(self.data.state_dict.remote())}
