@@ -7,6 +7,7 @@ import pathlib
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pandas as pd
@@ -301,6 +302,9 @@ def test_trackers_come_from_the_config(tmp_path, monkeypatch):
         writer.log_step(1, {"loss": 1.0, "reward_seen_by_wandb": 0.5})
     assert not (tmp_path / "wb" / "tb").exists()
     (log,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.time() + 60  # the W&B service process finishes writing after finish() returns
+    while b"reward_seen_by_wandb" not in log.read_bytes() and time.time() < deadline:
+        time.sleep(0.2)
     assert b"reward_seen_by_wandb" in log.read_bytes()
     with RunWriter(tmp_path / "none", load_config(None, ["run.trackers=[]"])) as writer:
         assert writer.trackers == ()
