@@ -43,6 +43,16 @@ def _clock(run: Run) -> tuple[pd.Series, pd.Series, str]:
     return m["step"].astype(float), pd.Series(np.nan, index=e.index), "learner step"
 
 
+def _line(ax, x, y, **kw) -> None:
+    """A line that breaks where the clock jumps (a crashed run and its resumption, minutes apart)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(x) > 2:
+        dx = np.diff(x)
+        gap = np.flatnonzero(dx > max(10.0, 5 * float(np.nanmedian(dx))))
+        x, y = np.insert(x, gap + 1, np.nan), np.insert(y, gap + 1, np.nan)
+    ax.plot(x, y, **kw)
+
+
 def _none(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} in this run", ha="center", va="center", transform=ax.transAxes,
             color="gray")
@@ -53,9 +63,9 @@ def _reward(ax, run: Run) -> None:
     m = run.metrics
     if "reward_mean" not in m:
         return _none(ax, "reward")
-    ax.plot(x, m["reward_mean"], marker=".", label="mean reward")
+    _line(ax, x, m["reward_mean"], marker=".", label="mean reward")
     if "exact_rate" in m:
-        ax.plot(x, m["exact_rate"], marker=".", label="exact answers")
+        _line(ax, x, m["exact_rate"], marker=".", label="exact answers")
     ax.set(xlabel=label, ylabel="per learner step")
     ax.legend(loc="lower right", fontsize="small")
 
@@ -66,9 +76,9 @@ def _throughput(ax, run: Run) -> None:
     col = next((c for c in ("tokens_per_s", "throughput") if c in m), None)
     if col is None:
         return _none(ax, "throughput")
-    ax.plot(x, m[col], marker=".", label=f"consumed ({col})")
+    _line(ax, x, m[col], marker=".", label=f"consumed ({col})")
     if "gen_tokens_per_s" in m:
-        ax.plot(x, m["gen_tokens_per_s"], marker=".", alpha=0.7, label="generated")
+        _line(ax, x, m["gen_tokens_per_s"], marker=".", alpha=0.7, label="generated")
     ax.set(xlabel=label, ylabel="tokens / s")
     ax.legend(fontsize="small")
 
@@ -90,15 +100,15 @@ def _kv(ax, run: Run) -> None:
     per = sorted(c for c in m.columns if c.startswith("kv_use/"))
     if per:
         for c in per:
-            ax.plot(x, m[c], marker=".", label=c.split("/", 1)[1])
+            _line(ax, x, m[c], marker=".", label=c.split("/", 1)[1])
     elif "kind" in e and (e["kind"] == "kv_sample").any():  # the simulator's samples
         s = e["kind"] == "kv_sample"
         ax.plot(xe[s], e.loc[s, "kv_use_mean"], label="mean")
         ax.fill_between(xe[s], e.loc[s, "kv_use_p10"], e.loc[s, "kv_use_p90"], alpha=0.3, label="p10-p90")
     elif "kv_use_mean" in m:
-        ax.plot(x, m["kv_use_mean"], marker=".", label="mean over rollouts")
+        _line(ax, x, m["kv_use_mean"], marker=".", label="mean over rollouts")
     elif "kv_use" in m:
-        ax.plot(x, m["kv_use"], marker=".", label="mean over rollouts")
+        _line(ax, x, m["kv_use"], marker=".", label="mean over rollouts")
     else:
         return _none(ax, "KV use")
     ax.set(xlabel=label, ylabel="KV cache in use (fraction)")
@@ -112,7 +122,7 @@ def _repack(ax, run: Run) -> None:
     if samples.any() and "gen_tokens_per_s" in e:  # the simulator samples finer than per step
         ax.plot(xe[samples], e.loc[samples, "gen_tokens_per_s"], label="generated tokens/s")
     elif "gen_tokens_per_s" in m:
-        ax.plot(x, m["gen_tokens_per_s"], marker=".", label="generated tokens/s")
+        _line(ax, x, m["gen_tokens_per_s"], marker=".", label="generated tokens/s")
     times = xe[e["kind"] == "repack"].dropna() if "kind" in e else pd.Series([], dtype=float)
     for i, t in enumerate(times):
         ax.axvline(t, color="tab:red", alpha=0.5, lw=1, label="repack" if i == 0 else None)
@@ -129,7 +139,7 @@ def _idle(ax, run: Run) -> None:
     if not cols:
         return _none(ax, "idle fractions")
     for c in cols:
-        ax.plot(x, m[c], marker=".", label=c.replace("_idle_frac", ""))
+        _line(ax, x, m[c], marker=".", label=c.replace("_idle_frac", ""))
     ax.set(xlabel=label, ylabel="idle fraction", ylim=(-0.02, 1.02))
     ax.legend(fontsize="small")
 
