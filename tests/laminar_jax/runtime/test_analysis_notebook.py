@@ -25,7 +25,12 @@ def test_notebook_is_stored_without_outputs():
 def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(cluster, warm_model, tmp_path):
     import nbclient
     import nbformat
-    real = driver.run(base_config(str(tmp_path), "nb", warm_model, **{"run.steps": 3}), quiet=True)["run_dir"]
+    # checkpoint by time only, a tiny interval: every step is due (run.checkpoint_every_s is read)
+    real = driver.run(base_config(str(tmp_path), "nb", warm_model, **{
+        "run.steps": 3, "run.checkpoint_every": 0, "run.checkpoint_every_s": 0.001}), quiet=True)["run_dir"]
+    from laminar_jax.analysis import load_run
+    events = load_run(real).events
+    assert sorted(events[events.kind == "checkpoint"].version) == [1, 2, 3]
     assert cli.main(["simulate", str(REPO / "configs/sim/study_repack.yaml"), f"run.out_dir={tmp_path / 'sim'}",
                      "run.warmup_steps=1", "run.measure_steps=2"]) == 0
     env = {"LAMINAR_RUN": real, "LAMINAR_SIM_RUN": str(tmp_path / "sim" / "study_repack" / "repack_128"),
