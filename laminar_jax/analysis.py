@@ -1,4 +1,4 @@
-"""Load run folders (written by `laminar_jax.metrics.RunWriter`) into pandas.
+"""Load run folders (written by `laminar_jax.metrics.RunWriter`, real or simulated) into pandas.
 
     run = load_run("runs/default")
     run.metrics.plot(x="step", y="loss")
@@ -17,11 +17,13 @@ from typing import Iterable
 import pandas as pd
 
 from laminar_jax.config_loader import yaml_load
-from laminar_jax.metrics import CONFIG_FILE, EVENTS_FILE, METRICS_FILE, TRAJECTORIES_FILE
+from laminar_jax.runfiles import (CONFIG_FILE, EVENTS_FILE, METRICS_DIR, METRICS_FILE,
+                                  TRAJECTORIES_DIR, TRAJECTORIES_FILE, read_table)
 
 __all__ = ["Run", "find_runs", "load_events", "load_metrics", "load_run", "reward_gain"]
 
 _RUN_FILES = (CONFIG_FILE, METRICS_FILE, EVENTS_FILE)
+_RUN_DIRS = (METRICS_DIR,)
 
 
 @dataclasses.dataclass
@@ -71,8 +73,9 @@ def load_run(path: str | pathlib.Path) -> Run:
     path = pathlib.Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such run folder")
-    if not any((path / f).is_file() for f in _RUN_FILES):
-        raise ValueError(f"{path}: not a run folder (it has none of {', '.join(_RUN_FILES)})")
+    if not any((path / f).is_file() for f in _RUN_FILES) and not any((path / d).is_dir() for d in _RUN_DIRS):
+        raise ValueError(f"{path}: not a run folder (it has none of "
+                         f"{', '.join(_RUN_FILES + tuple(d + '/' for d in _RUN_DIRS))})")
 
     config: dict = {}
     if (path / CONFIG_FILE).is_file():
@@ -81,14 +84,15 @@ def load_run(path: str | pathlib.Path) -> Run:
             raise ValueError(f"{path / CONFIG_FILE}: expected a mapping, got {type(loaded).__name__}")
         config = loaded or {}
 
-    if (path / METRICS_FILE).is_file():
-        metrics = pd.read_parquet(path / METRICS_FILE).sort_values("step", kind="stable")
-        metrics = metrics.reset_index(drop=True)
+    metrics = read_table(path / METRICS_DIR, path / METRICS_FILE)
+    if metrics is not None:
+        metrics = metrics.sort_values("step", kind="stable").reset_index(drop=True)
     else:
         metrics = pd.DataFrame({"step": pd.Series(dtype="int64")})
 
-    trajectories = (pd.read_parquet(path / TRAJECTORIES_FILE)
-                    if (path / TRAJECTORIES_FILE).is_file() else pd.DataFrame())
+    trajectories = read_table(path / TRAJECTORIES_DIR, path / TRAJECTORIES_FILE)
+    if trajectories is None:
+        trajectories = pd.DataFrame()
     events = (load_events(path / EVENTS_FILE) if (path / EVENTS_FILE).is_file()
               else _empty_events())
     return Run(path=path, config=config, metrics=metrics, trajectories=trajectories,
@@ -99,6 +103,7 @@ def find_runs(root: str | pathlib.Path) -> list[pathlib.Path]:
     """Every run folder under `root` (itself included), sorted by path."""
     root = pathlib.Path(root)
     found = {p.parent for name in _RUN_FILES for p in root.rglob(name) if p.is_file()}
+    found |= {p.parent for name in _RUN_DIRS for p in root.rglob(name) if p.is_dir()}
     return sorted(found)
 
 
@@ -114,7 +119,7 @@ def load_metrics(paths: Iterable[str | pathlib.Path]) -> pd.DataFrame:
     return frame[["run"] + [c for c in frame.columns if c != "run"]]
 
 
-def reward_gain(trajectories: pd.DataFrame, *, strata: str = "prompt_id", fraction: float = 1 / 3,
+def reward_gain(trajectories: pd.DataFrame, *, strata: str = "prompt_len", fraction: float = 1 / 3,
                 time: str = "gen_version") -> dict[str, float]:
     """Mean reward early vs late in a run, compared within strata of equal difficulty.
 
@@ -125,6 +130,11 @@ def reward_gain(trajectories: pd.DataFrame, *, strata: str = "prompt_id", fracti
     column seen in both, with n_s = min(#early_s, #late_s):
 
         early = sum_s n_s mean(early_s) / sum_s n_s,   late likewise,   gain = late - early.
+
+    The default strata, `prompt_len`, compares prompts of equal token length, a difficulty proxy
+    every run's trajectories carry; a task-specific column (countdown's n) is sharper. (A prompt
+    id is no stratum: a run shorter than an epoch draws each prompt once, so no id is both early
+    and late.)
 
     Returns {"early", "late", "gain", "strata", "early_count", "late_count"} (NaN gain when no
     stratum is in both parts).

@@ -4,6 +4,7 @@
     laminar sft [CONFIG] [key=value ...]         supervised warm-up (laminar_jax.learner.sft)
     laminar train [CONFIG] [key=value ...]       RL post-training (laminar_jax.runtime.driver)
     laminar simulate CONFIG [key=value ...]      discrete-event simulator (laminar_jax.sim.cli)
+    laminar plot RUN [RUN ...] [--out DIR]       PNG panels of run folders (laminar_jax.plot)
 
 Heavy modules (jax, ray) are imported inside the handlers, after the config has loaded, so
 `--help` is instant and a config error costs nothing. Config errors, and the inputs
@@ -108,8 +109,34 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     _preflight("check_train", cfg, path)
     run = _import_entry("laminar_jax.runtime.driver", "run", "the RL runtime",
                         "; `laminar sft` runs supervised training meanwhile")
-    run(cfg)
+    return _with_resume_hint(run, cfg, ns.args)
+
+
+def _with_resume_hint(run: Callable, cfg, args: Sequence[str]) -> int:
+    """Run `laminar train`; a crash (or Ctrl-C) prints its traceback, then what the run folder
+    keeps and the exact command that resumes it. Exit code 1 (130 for Ctrl-C)."""
+    from laminar_jax.config_loader import ConfigError
+    try:
+        run(cfg)
+    except (_Usage, ConfigError):
+        raise
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash gets the hint
+        import traceback
+
+        from laminar_jax.runtime.run_folder import resume_hint
+        traceback.print_exc()
+        print(f"laminar train crashed: {type(e).__name__}: {e}\n{resume_hint(cfg, args)}",
+              file=sys.stderr, flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
     return 0
+
+
+def _cmd_plot(ns: argparse.Namespace) -> int:
+    plot_main = _import_entry("laminar_jax.plot", "main", "plotting")
+    try:
+        return plot_main(ns.args)
+    except (FileNotFoundError, ValueError) as e:  # a missing or non-run folder, a bad panel name
+        raise _Usage(str(e)) from None
 
 
 def _cmd_simulate(ns: argparse.Namespace) -> int:
@@ -149,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "decode-latency and response-length profiles.")
     sim.add_argument("args", nargs="+", metavar="CONFIG [key=value ...]", help=_OVERRIDES_HELP)
     sim.set_defaults(handler=_cmd_simulate)
+
+    plot = sub.add_parser("plot", help="PNG panels of run folders (reward, throughput, staleness, ...)",
+                          description="Write the standard panels of one run, or several side by side "
+                                      "(real or simulated run folders), as PNGs.", add_help=False)
+    plot.add_argument("args", nargs=argparse.REMAINDER, metavar="RUN [RUN ...] [--out DIR]")
+    plot.set_defaults(handler=_cmd_plot)
     return parser
 
 

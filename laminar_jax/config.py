@@ -42,7 +42,15 @@ class RunConfig:
     """Where the run folder goes (`out_dir/name`), how long it runs and how often it logs.
 
     ray_address: None starts an embedded local Ray cluster; "auto" or "host:port" joins one.
-    checkpoint_every: learner steps between orbax checkpoints (0 = only at the end).
+    checkpoint_every / checkpoint_every_s: an orbax checkpoint every that many learner steps or
+    seconds, whichever comes first (0 turns that trigger off; both 0: only at the end), so a
+    crash loses at most about checkpoint_every_s of work.
+    resume: what an existing run folder means. auto: resume its latest checkpoint when it was
+    made with the same config (run.steps, logging and checkpoint cadence may differ), refuse when
+    the config differs; never: refuse any folder that holds a run; force: resume even with a
+    different config (the old config.yaml is kept as config.<time>.yaml).
+    trackers: where metrics also go besides the Parquet files: tensorboard (tb/), wandb (offline
+    unless WANDB_MODE says otherwise, under wandb/).
     compile_cache: folder of the persistent JAX compilation cache shared by every run and
       process ("~" expanded; None turns it off); a warm cache skips the compiles at start-up.
     """
@@ -53,7 +61,10 @@ class RunConfig:
     steps: int = 60
     log_every: int = 1
     ray_address: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int = 20
+    checkpoint_every_s: float = 300.0
+    resume: Literal["auto", "never", "force"] = "auto"
+    trackers: tuple[str, ...] = ("tensorboard",)
     compile_cache: str | None = "~/.cache/laminar/jax"
 
     def __post_init__(self):
@@ -61,7 +72,13 @@ class RunConfig:
         _require("/" not in self.name and self.name not in (".", ".."), "name", self.name,
                  "a folder name without '/'")
         _at_least(self, 0, "seed", "checkpoint_every")
+        _non_negative(self, "checkpoint_every_s")
         _at_least(self, 1, "steps", "log_every")
+        _require(all(t in _TRACKERS for t in self.trackers) and len(set(self.trackers)) == len(self.trackers),
+                 "trackers", list(self.trackers), f"a list of distinct names among {list(_TRACKERS)}")
+
+
+_TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True)

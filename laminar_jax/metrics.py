@@ -1,18 +1,21 @@
-"""The run folder writer: what a run leaves behind for notebooks and TensorBoard.
+"""The run folder writer: what a run leaves behind for notebooks, TensorBoard and W&B.
 
     run_dir/
-      config.yaml            the resolved config
-      metrics.parquet        one row per learner step (column "step" + whatever was logged)
-      trajectories.parquet   one row per consumed trajectory
-      events.jsonl           one JSON object per line: {"time": unix seconds, "kind": ..., ...}
-      tb/                    TensorBoard scalars of every numeric metric
+      config.yaml                     the resolved config
+      metrics/part-*.parquet          one row per learner step (column "step" + whatever was logged)
+      trajectories/part-*.parquet     one row per consumed trajectory ("step": the learner step)
+      events.jsonl                    one JSON object per line: {"time": unix seconds, "kind": ..., ...}
+      tb/, wandb/                     the trackers' copies of every numeric metric (run.trackers)
 
-Parquet files are rewritten whole at each flush (every `flush_every` steps and on close) through
-a temporary file and an atomic rename, so a crashed run keeps a readable file with every row up
-to its last flush; appending row groups would instead leave a file without a footer, and could
-not add the columns that appear later in a run. Events are flushed line by line.
-Reopening an existing folder (a resumed run) keeps its rows; logging a step at or before the last
-stored one drops the stored rows from that step on (they came from after the checkpoint).
+Metrics and trajectories are append-only Parquet part files (`laminar_jax.runfiles`): each flush
+(every `flush_every` steps or `flush_every_s` seconds, and on close) writes the rows buffered since
+the last one as a new part, through a temporary file and an atomic rename. A crash keeps every
+part written; the writer holds only the rows since its last flush, so its memory does not grow
+with the run. `analysis.load_run` reads the parts as one table (the table the single
+metrics.parquet / trajectories.parquet of older run folders held; those still load).
+Reopening an existing folder (a resumed run) keeps its parts; `rewind(step)`, or logging a step at
+or before the last stored one, drops the stored rows from that step on (they came from after the
+checkpoint), so a resumed run has each step and each trajectory once. Events are flushed line by line.
 
 No jax import: values may be numpy or jax scalars, converted with `.item()`.
 """
@@ -23,23 +26,26 @@ import json
 import numbers
 import os
 import pathlib
-import sys
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import pandas as pd
 
 from laminar_jax.config_loader import dump_yaml
+from laminar_jax.runfiles import (CONFIG_FILE, EVENTS_FILE, METRICS_DIR, METRICS_FILE, TB_DIR,
+                                  TRAJECTORIES_DIR, TRAJECTORIES_FILE, PartLog)
+from laminar_jax.trackers import _import_tensorboardx, make_trackers
 
 __all__ = ["RunWriter", "CONFIG_FILE", "METRICS_FILE", "TRAJECTORIES_FILE", "EVENTS_FILE",
-           "TB_DIR"]
+           "TB_DIR", "METRICS_DIR", "TRAJECTORIES_DIR", "exact_rate", "_import_tensorboardx"]
 
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.parquet"
-TRAJECTORIES_FILE = "trajectories.parquet"
-EVENTS_FILE = "events.jsonl"
-TB_DIR = "tb"
+EXACT_REWARD = 1.0  # full credit: the built-in tasks give < 1 for a partly right answer
+
+
+def exact_rate(rewards: Sequence[float]) -> float:
+    """Fraction of trajectories with full reward (>= 1.0, an exact answer); NaN when empty."""
+    r = np.asarray(rewards, dtype=float)
+    return float(np.mean(r >= EXACT_REWARD)) if r.size else float("nan")
 
 
 def _scalar(value: Any, *, name: str) -> Any:
@@ -69,43 +75,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _kind(value: Any) -> str | None:
-    """Parquet column kind of a value; a column must keep one kind (None fits any)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, (int, float)):
-        return "number"
-    return type(value).__name__
-
-
-def _check_kinds(kinds: dict[str, str], row: Mapping[str, Any], *, what: str) -> None:
-    for name, value in row.items():
-        kind = _kind(value)
-        if kind is not None and kinds.setdefault(name, kind) != kind:
-            raise ValueError(f"{what} {name!r}: got a {kind} ({value!r}) in a column of "
-                             f"{kinds[name]} values; a Parquet column holds one type")
-
-
-def _write_parquet(rows: list[dict], path: pathlib.Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    pd.DataFrame.from_records(rows).to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-
-
-def _import_tensorboardx():
-    # tensorboardX.writer imports torch when it is installed (for a type check only); laminar_jax
-    # must not pull torch in, so hide it during the import unless something else loaded it.
-    hide = "torch" not in sys.modules
-    if hide:
-        sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-        import tensorboardX
-    finally:
-        if hide and sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
-    return tensorboardX
+def _trackers_of(config: Any, tensorboard: bool | None) -> tuple[str, ...]:
+    run = getattr(config, "run", None)
+    names = list(getattr(run, "trackers", ("tensorboard",)))
+    if tensorboard is False and "tensorboard" in names:
+        names.remove("tensorboard")
+    if tensorboard is True and "tensorboard" not in names:
+        names.insert(0, "tensorboard")
+    return tuple(names)
 
 
 class RunWriter:
@@ -113,49 +90,49 @@ class RunWriter:
 
     Args:
       run_dir: the folder (created with its parents).
-      config: a config dataclass or dict, dumped to config.yaml (an existing one is replaced).
-      flush_every: learner steps between Parquet rewrites.
-      tensorboard: also write TensorBoard scalars under tb/.
+      config: a config dataclass or dict, dumped to config.yaml (an existing one is replaced;
+        `laminar_jax.runtime.run_folder` decides beforehand whether that is allowed).
+      flush_every / flush_every_s: steps / seconds between part-file flushes.
+      tensorboard: False drops TensorBoard from the trackers, True adds it (None: as configured).
+      trackers: tracker names (default: `config.run.trackers`, else ["tensorboard"]).
     """
 
     def __init__(self, run_dir: str | os.PathLike, config: Any = None, *, flush_every: int = 10,
-                 tensorboard: bool = True):
+                 flush_every_s: float = 30.0, tensorboard: bool | None = None,
+                 trackers: Sequence[str] | None = None):
         if flush_every < 1:
             raise ValueError(f"flush_every: expected an int >= 1, got {flush_every!r}")
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.flush_every = flush_every
+        self.flush_every, self.flush_every_s = flush_every, float(flush_every_s)
         if config is not None:
             (self.run_dir / CONFIG_FILE).write_text(dump_yaml(config))
-        self._steps = self._read_existing(METRICS_FILE)
-        self._trajectories = self._read_existing(TRAJECTORIES_FILE)
-        self._step_kinds: dict[str, str] = {}
-        self._trajectory_kinds: dict[str, str] = {}
-        for row in self._steps:
-            _check_kinds(self._step_kinds, row, what="metric")
-        for row in self._trajectories:
-            _check_kinds(self._trajectory_kinds, row, what="trajectory field")
-        self._since_flush = 0
+        self._metrics = PartLog(self.run_dir / METRICS_DIR, what="metric")
+        self._trajectories = PartLog(self.run_dir / TRAJECTORIES_DIR, what="trajectory field")
+        self._since_flush, self._flushed_at = 0, time.monotonic()
         self._events = open(self.run_dir / EVENTS_FILE, "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            self._tb = _import_tensorboardx().SummaryWriter(logdir=str(self.run_dir / TB_DIR))
+        names = tuple(trackers) if trackers is not None else _trackers_of(config, tensorboard)
+        self._trackers = make_trackers(names, self.run_dir, config)
         self._closed = False
-
-    def _read_existing(self, name: str) -> list[dict]:
-        path = self.run_dir / name
-        if not path.is_file():
-            return []
-        # NaN cells are columns a row did not have; drop them so the kind checks see the rest.
-        return [{k: _plain(v) for k, v in row.items() if not (isinstance(v, float) and v != v)}
-                for row in pd.read_parquet(path).to_dict("records")]
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"RunWriter({self.run_dir}) is closed")
 
+    @property
+    def last_step(self) -> int | None:
+        """The last step stored or buffered (None: none yet)."""
+        return self._metrics.last_step
+
+    def rewind(self, step: int) -> None:
+        """Drop every stored metric row and trajectory of `step` and later (a resume from the
+        checkpoint taken after step - 1: those rows are redone)."""
+        self._check_open()
+        self._metrics.rewind(int(step))
+        self._trajectories.rewind(int(step))
+
     def log_step(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record the metrics of learner step `step` (one metrics.parquet row)."""
+        """Record the metrics of learner step `step` (one metrics row)."""
         self._check_open()
         step = int(_scalar(step, name="step"))
         if "step" in metrics:
@@ -163,29 +140,34 @@ class RunWriter:
         row = {"step": step}
         for name, value in metrics.items():
             row[str(name)] = _scalar(value, name=str(name))
-        kinds = dict(self._step_kinds)  # a rejected row must not register its columns
-        _check_kinds(kinds, row, what="metric")
-        self._step_kinds = kinds
-        if self._steps and self._steps[-1]["step"] >= step:
-            self._steps = [r for r in self._steps if r["step"] < step]
-        self._steps.append(row)
-        if self._tb is not None:
-            for name, value in row.items():
-                if name != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool):
-                    self._tb.add_scalar(name, float(value), global_step=step)
+        self._metrics.check([row])  # a rejected row must not register its columns
+        if self._metrics.last_step is not None and self._metrics.last_step >= step:
+            self.rewind(step)
+        self._metrics.add([row], step)
+        scalars = {name: float(value) for name, value in row.items()
+                   if name != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool)}
+        for tracker in self._trackers:
+            tracker.log_scalars(step, scalars)
         self._since_flush += 1
-        if self._since_flush >= self.flush_every:
+        if (self._since_flush >= self.flush_every
+                or time.monotonic() - self._flushed_at >= self.flush_every_s):
             self.flush()
 
-    def log_trajectories(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Record consumed trajectories (ids, lengths, reward, gen_version, staleness, ...)."""
+    def log_trajectories(self, rows: Iterable[Mapping[str, Any]], *, step: int | None = None) -> None:
+        """Record consumed trajectories (ids, lengths, reward, gen_version, staleness, ...).
+
+        With `step`, each row gets a "step" column (the learner step that consumed it), which is
+        what lets a resumed run drop exactly the trajectories of the steps it redoes."""
         self._check_open()
         rows = [{str(k): _plain(v) for k, v in row.items()} for row in rows]
-        kinds = dict(self._trajectory_kinds)
-        for row in rows:
-            _check_kinds(kinds, row, what="trajectory field")
-        self._trajectory_kinds = kinds
-        self._trajectories.extend(rows)
+        if step is not None:
+            step = int(step)
+            rows = [dict(r, step=step) for r in rows]
+        self._trajectories.check(rows)
+        tag = step if step is not None else (self._metrics.last_step or 0)
+        self._trajectories.add(rows, tag)
+        if self._trajectories.buffered_rows >= 200_000:  # bound the buffer on huge steps too
+            self._trajectories.flush()
 
     def log_trajectory_columns(self, columns: Mapping[str, Any]) -> int:
         """Record consumed trajectories given as columns {name: 1-D array}, all of one length.
@@ -237,15 +219,13 @@ class RunWriter:
         self._events.flush()
 
     def flush(self) -> None:
-        """Rewrite the Parquet files with every row so far and flush TensorBoard."""
+        """Write the rows buffered since the last flush as new part files; flush the trackers."""
         self._check_open()
-        if self._steps:
-            _write_parquet(self._steps, self.run_dir / METRICS_FILE)
-        if self._trajectories:
-            _write_parquet(self._trajectories, self.run_dir / TRAJECTORIES_FILE)
-        if self._tb is not None:
-            self._tb.flush()
-        self._since_flush = 0
+        self._metrics.flush()
+        self._trajectories.flush()
+        for tracker in self._trackers:
+            tracker.flush()
+        self._since_flush, self._flushed_at = 0, time.monotonic()
 
     def close(self) -> None:
         if self._closed:
@@ -255,8 +235,8 @@ class RunWriter:
         finally:
             self._closed = True
             self._events.close()
-            if self._tb is not None:
-                self._tb.close()
+            for tracker in self._trackers:
+                tracker.close()
 
     def __enter__(self) -> "RunWriter":
         return self
@@ -266,4 +246,9 @@ class RunWriter:
 
     @property
     def num_steps(self) -> int:
-        return len(self._steps)
+        """Metric rows stored and buffered."""
+        return self._metrics.num_rows
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self._trackers)

@@ -7,9 +7,11 @@ Loss: next-token cross-entropy on the response tokens (the prompt is context onl
 with several examples packed per row (segment ids keep them apart). Examples come from
 ``laminar_jax.data.tasks`` (``data.task``: countdown "13:" -> "13 12 ... 1", arithmetic "3+5=" ->
 "8"; any other task name falls back to arithmetic), character-tokenised, so a tiny model learns
-them within a minute on CPU. The trained model is written as a Hugging Face folder
-(``<run_dir>/sft_model``, with the tokenizer for presets) that ``model.hf_path`` can start an RL
-run from.
+them within a minute on CPU. The run writes to its own folder, ``<out_dir>/<name>/sft/``
+(``sft_dir``), never over a train run's files in ``<out_dir>/<name>/``; the trained model goes to
+``<out_dir>/<name>/sft/sft_model`` (a Hugging Face folder, with the tokenizer for presets), which
+is where ``laminar train`` with the same name looks for its warm-up model, and which
+``model.hf_path`` can start any RL run from.
 """
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ from laminar_jax.models.config import DecoderConfig
 
 FALLBACK_TASK = "arithmetic"
 POOL_SIZE = 4096
+
+
+def sft_dir(cfg: Any) -> str:
+    """The folder of a supervised run: `<run.out_dir>/<run.name>/sft` (beside, never over, the
+    train run of the same name)."""
+    return os.path.join(cfg.run.out_dir, cfg.run.name, "sft")
 
 
 def pack_examples(examples: list, order: np.ndarray, start: int, batch_size: int,
@@ -125,7 +133,7 @@ def run(cfg: Any) -> dict[str, Any]:
               f"longer than sft.seq_len={sft.seq_len}", flush=True)
     examples = fits
     order = np.random.default_rng([cfg.run.seed, 2]).permutation(len(examples))
-    run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
+    run_dir = sft_dir(cfg)
     writer = _writer(run_dir, cfg)
     print(f"sft: task {task}, model {getattr(cfg.model, 'hf_path', None) or cfg.model.preset} "
           f"({sharded.num_params() / 1e6:.2f}M params), mesh {dict(mesh.shape)}, batch "

@@ -8,10 +8,12 @@
 
 The driver starts the actors (`fleet.Fleet`), then, per learner step: ask the learner for one
 iteration, kick the manager (repack right after a publish), gather rollout stats and events,
-write the run folder (metrics.parquet, trajectories.parquet, events.jsonl, TensorBoard) and print
+write the run folder (metrics/ and trajectories/ part files, events.jsonl, trackers) and print
 a progress line. A model given as a preset (no `model.hf_path`) on a built-in task first gets the
-supervised warm-up of `laminar sft` (real post-training starts from an SFT model); a run folder
-with a checkpoint resumes from it.
+supervised warm-up of `laminar sft` (real post-training starts from an SFT model). An existing
+run folder is resumed from its latest committed checkpoint, or refused, per `run.resume`
+(`run_folder.plan`, decided before Ray starts); a resumed run drops the rows the folder holds
+from the resumed step on, so every step and trajectory is logged once.
 """
 from __future__ import annotations
 
@@ -25,17 +27,20 @@ import ray
 from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
 from laminar_jax.rewards.health import RewardWatch
-from laminar_jax.runtime import breakdown, cluster, compile_cache, progress
+from laminar_jax.runtime import breakdown, cluster, compile_cache, progress, run_folder
 from laminar_jax.runtime.fleet import Fleet
 
 
 def warm_up(cfg: Any, run_dir: str) -> str:
-    """Supervised warm-up into `<run_dir>/sft/sft_model` (reused when already there)."""
+    """Supervised warm-up into `<run_dir>/sft/sft_model` (reused when already there, e.g. made by
+    `laminar sft` with the same run name)."""
     model_dir = os.path.join(run_dir, "sft", "sft_model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         from laminar_jax.learner import sft
-        sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=run_dir, name="sft",
-                                                                   log_every=max(1, cfg.sft.steps // 10)))
+        # sft.run writes to <out_dir>/<name>/sft: point that at run_dir/sft
+        sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(
+            cfg.run, out_dir=os.path.dirname(os.path.abspath(run_dir)), name=os.path.basename(os.path.abspath(run_dir)),
+            log_every=max(1, cfg.sft.steps // 10)))
         print(f"warm-up: {cfg.sft.steps} supervised steps on {cfg.data.task} before RL", flush=True)
         sft.run(sft_cfg)
     return model_dir
@@ -59,31 +64,52 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     """
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     compile_cache.enable(cfg.run.compile_cache)   # the warm-up's compiles too
+    plan = run_folder.plan(cfg, run_dir)  # refuses a folder it must not touch, before anything starts
     model_dir = cfg.model.hf_path
     if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
         model_dir = warm_up(cfg, run_dir)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=model_dir))
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    say(plan.note)
     clock = progress.StartupClock(say)
     owns_ray = cluster.start(cfg)
     clock.mark("ray", "ray up" if owns_ray else "ray (already running)")
     writer = RunWriter(run_dir, cfg)
+    stores: list[str] = []
     try:
-        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock)
+        return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
+                      stores)
     finally:
         writer.close()
+        # the learner removes its weight store on close; a crashed one leaves it behind
+        for root in stores:
+            run_folder.remove_store(root)
+        run_folder.clean_stale_stores(cfg.relay.store_dir)
         if owns_ray:
             ray.shutdown()
 
 
-def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock) -> dict:
+# per-step metrics the summary needs (the full rows are on disk: memory stays flat in run length)
+_SUMMARY_KEYS = ("reward_mean", "exact_rate", "staleness_mean", "staleness_max", "consumed_trajectories",
+                 "tokens_per_s")
+
+
+def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
+           stores) -> dict:
     t0 = time.time()
     events = lambda kind, **f: writer.log_event(kind, **{k: v for k, v in f.items() if k != "time"})  # noqa: E731
     fleet = Fleet.start(cfg, run_dir, model_dir, events=events, latency_model=latency_model,
-                        min_update_s=min_update_s, on_phase=clock.mark)
+                        min_update_s=min_update_s, resume=plan.resume, on_phase=clock.mark)
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
+    stores.append(ray.get(fleet.learner.weight_store.remote()).root)
     start = ray.get(fleet.learner.current_version.remote())
+    writer.rewind(start)  # rows of steps after the checkpoint (a crashed run's) are redone
+    stored = -1 if writer.last_step is None else writer.last_step
+    if start > 0 and stored < start - 1:  # a crash lost rows the checkpoint had already covered
+        writer.log_event("rows_missing", first_step=stored + 1, last_step=start - 1)
+        say(f"warning: the run folder lacks the metrics of steps {stored + 1}..{start - 1} (lost in a crash "
+            f"before they were written); checkpoint v{start} resumes after them")
     # steps as in the metrics' `step` column (0-based); paths on their own line
     say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts, relays "
         f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, "
@@ -106,15 +132,21 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             for line in watch.update(stats):  # reward failures: console, and a stop past the rate
                 say(line)
             watch.check()
+            # per-rollout KV use now, and the step's wall clock (the timeline of `laminar plot`)
+            m.update({f"kv_use/{st['id']}": float(st["kv_used"]) for st in stats}, wall_time=time.time())
             acc = ray.get(fleet.data.accounting.remote())
             m.update({f"ledger/{k}": v for k, v in acc.items()})
             events = out["events"] + fleet.drain_events(check_relays=step % 10 == 0)
             m.update(breakdown.relay_times(fleet.relay_events))
             m.update(breakdown.overhead(m))
             writer.log_step(step, m)
-            writer.log_trajectories(out["trajectories"])
+            writer.log_trajectories(out["trajectories"], step=step)
             _log_events(writer, events)
-            rows.append(m)
+            if out.get("checkpoint_started"):
+                # rows up to this step on disk before the checkpoint commits: a crash after the
+                # commit must not resume past steps whose rows were still in memory
+                writer.flush()
+            rows.append({k: v for k, v in m.items() if k in _SUMMARY_KEYS or k.startswith("time/")})
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
                 say(progress.step_line(step, cfg.run.steps, m))
             if on_step is not None:
@@ -127,6 +159,12 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
     summary["run_dir"] = run_dir
     summary["startup"] = clock.phases
     writer.log_event("startup", **clock.phases)
+    if rows:  # exact answers (full reward), first and last quarter of the steps like the reward
+        k = max(1, len(rows) // 4)
+        summary["exact_rate_first"] = float(sum(r["exact_rate"] for r in rows[:k]) / k)
+        summary["exact_rate_last"] = float(sum(r["exact_rate"] for r in rows[-k:]) / k)
     writer.log_event("summary", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
     say(progress.summary_text(summary))
+    if rows:
+        say(f"exact answers: {summary['exact_rate_first']:.0%} -> {summary['exact_rate_last']:.0%} of trajectories")
     return summary

@@ -142,7 +142,10 @@ class Fleet:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
         events = self.drain_events()
-        events += ray.get(self.learner.close.remote())
+        try:
+            events += ray.get(self.learner.close.remote(), timeout=300)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # a dead learner: its weight store is removed by run_folder.clean_stale_stores
         if self.relays is not None:
             self.relays.shutdown()
         for handle in [self.learner, self.manager, self.data, *self.workers.values()]:

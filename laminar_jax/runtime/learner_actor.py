@@ -8,7 +8,8 @@ One `step()` is one RL iteration (paper section 4: a version is one global batch
     A        <- advantages (per group)        prox_logp / ref_logp when the loss needs them
     K x      state <- train(state, mini-batch)
     version += 1; publisher.publish(version, params)     returns after the device-to-host copy
-    checkpoint every run.checkpoint_every versions (orbax, async)
+    checkpoint every run.checkpoint_every versions or run.checkpoint_every_s seconds (orbax,
+    async); its "checkpoint" event comes once orbax has committed it
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ import numpy as np
 import ray
 
 from laminar_jax.manager import modes
+from laminar_jax.metrics import exact_rate
 from laminar_jax.runtime import batch as B
 from laminar_jax.runtime import breakdown, compile_cache
 from laminar_jax.runtime import rl_step
-from laminar_jax.runtime.checkpoint import Checkpointer
+from laminar_jax.runtime.checkpoint import Checkpointer, checkpoint_due
 
 STALL_TIMEOUT_S = 900.0
 # one blocking wait on the data actor; the learner re-asks until STALL_TIMEOUT_S
@@ -53,15 +55,19 @@ class Learner:
         self.state, self.version = self.setup.state, 0
         self._lock, self._events = threading.Lock(), []
         self._publish_t0, self._write_s = {}, 0.0
-        self.checkpointer = Checkpointer(run_dir)
+        self.checkpointer = Checkpointer(run_dir, on_commit=lambda rec: self._log_committed([rec]))
         latest = self.checkpointer.latest() if resume else None
         if latest is not None:
             self.state, meta = self.checkpointer.restore(latest, self.state)
             self.version = int(meta["version"])
             ray.get(data.load_state_dict.remote(meta["data"]))
             self._event("resumed", version=self.version, checkpoint=latest)
+        self._last_ckpt = (self.version, time.time())  # (version, time) of the last checkpoint
         self.ref_params = (jax.tree.map(lambda x: x.copy(), self.state.params)
                            if self.fns.needs_ref else None)
+        from laminar_jax.runtime.run_folder import clean_stale_stores
+        for stale in clean_stale_stores(cfg.relay.store_dir):  # left by crashed runs
+            self._event("stale_store_removed", path=stale)
         root = os.path.join(cfg.relay.store_dir, f"{cfg.run.name}-{os.getpid()}")
         self.store = WeightStore.local(root)
         self.publisher = Publisher(self.store, dtype=cfg.model.rollout_dtype, events=self._event)
@@ -159,7 +165,8 @@ class Learner:
         self._times.add("update_s", clock)
         for key in steps[0]:
             metrics[key] = float(np.mean([s[key] for s in steps]))
-        return metrics, [dict(t.log_row(self.version), learner_version=self.version) for g in groups for t in g]
+        return metrics, [dict(t.log_row(self.version), learner_version=self.version,
+                              trajectory_id=f"{t.group_id}/{t.sample_index}") for g in groups for t in g]
 
     def step(self) -> dict:
         """One iteration; returns {"metrics", "trajectories", "events", "version"}."""
@@ -191,7 +198,7 @@ class Learner:
         tokens = sum(t.num_tokens for g in groups_all for t in g)
         rewards = [t.reward for g in groups_all for t in g]
         metrics.update(B.staleness_stats(groups_all, v))
-        metrics.update(version=self.version, reward_mean=float(np.mean(rewards)),
+        metrics.update(version=self.version, reward_mean=float(np.mean(rewards)), exact_rate=exact_rate(rewards),
                        reward_std=float(np.std(rewards)), response_len_mean=tokens / len(rewards),
                        consumed_trajectories=len(rewards), consumed_tokens=tokens,
                        learner_wait_s=waited, learner_update_s=end - t_start - waited, step_wall_s=wall,
@@ -202,25 +209,34 @@ class Learner:
                                                 checkpoint=self._checkpoint_s))
         metrics["time/publish_write_s"] = self._write_s   # background (newest finished write)
         self._last_end = end
-        every = self.cfg.run.checkpoint_every
+        run = self.cfg.run
+        saving = checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
+                                now=time.time(), every=run.checkpoint_every, every_s=run.checkpoint_every_s,
+                                final_version=run.steps)
         clock = time.perf_counter()
-        if (every and self.version % every == 0) or self.version >= self.cfg.run.steps:
+        if saving:
             self.checkpoint()
         # after `end`: it delays the next step, whose breakdown carries it
         self._checkpoint_s = time.perf_counter() - clock
         with self._lock:
             events, self._events = self._events, []
-        return {"metrics": metrics, "trajectories": rows, "events": events, "version": self.version}
+        # checkpoint_started: the driver makes this step's rows durable before the save commits
+        return {"metrics": metrics, "trajectories": rows, "events": events, "version": self.version,
+                "checkpoint_started": saving}
 
     def checkpoint(self) -> int:
         meta = {"version": self.version, "data": ray.get(self.data.state_dict.remote())}
         self.checkpointer.save(self.version, self.state, meta)
-        self._event("checkpoint", version=self.version, path=self.checkpointer.directory)
+        self._last_ckpt = (self.version, time.time())
         return self.version
+
+    def _log_committed(self, saves: list[dict]) -> None:
+        for rec in saves:
+            self._event("checkpoint", version=rec["version"], path=rec["path"], save_s=rec["save_s"])
 
     def close(self) -> list[dict]:
         import shutil
-        self.checkpointer.close()
+        self._log_committed(self.checkpointer.close())
         self.publisher.close()
         shutil.rmtree(self.store.root, ignore_errors=True)
         with self._lock:

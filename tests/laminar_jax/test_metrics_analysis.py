@@ -7,6 +7,7 @@ import pathlib
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pandas as pd
@@ -203,8 +204,122 @@ def test_reward_gain_compares_within_strata():
     assert g["early"] == pytest.approx(0.55) and g["late"] == pytest.approx(0.7)
     assert g["gain"] == pytest.approx(0.15) and g["strata"] == 2
     assert (g["early_count"], g["late_count"]) == (8, 12)
-    with pytest.raises(KeyError, match="no column 'prompt_id'"):
+    with pytest.raises(KeyError, match="no column 'prompt_len'"):
         reward_gain(t)
     with pytest.raises(ValueError, match="fraction"):
         reward_gain(t, strata="n", fraction=0.7)
     assert math.isnan(reward_gain(t[t.gen_version == 0], strata="n")["gain"])
+
+
+def _old_single_file_table(rows: list[dict]) -> pd.DataFrame:
+    """What the single-file writer wrote: one DataFrame from every row, through Parquet."""
+    import io
+    buf = io.BytesIO()
+    pd.DataFrame.from_records(rows).to_parquet(buf, index=False)
+    return pd.read_parquet(io.BytesIO(buf.getvalue()))
+
+
+def test_part_files_read_as_the_old_single_file_table(tmp_path):
+    steps, trajectories = [], []
+    with RunWriter(tmp_path, flush_every=2, tensorboard=False) as writer:
+        for step in range(7):
+            m = {"loss": 1.0 / (step + 1), "lr": 1e-3}
+            if step >= 3:
+                m["kl"] = 0.1 * step              # a column that appears mid-run
+            if step in (1, 5):
+                m["note"] = f"s{step}"            # strings in some parts only
+            if step < 2:
+                m["done"] = step == 1             # a bool column that disappears
+            writer.log_step(step, m)
+            steps.append({"step": step, **m})
+            rows = [{"trajectory_id": f"e0-{step}/{i}", "reward": float(i), "tokens": list(range(i + 1))}
+                    | ({"t_repack": 0.5} if step == 4 else {}) for i in range(3)]
+            writer.log_trajectories(rows, step=step)
+            trajectories += [dict(r, step=step) for r in rows]
+    assert len(list((tmp_path / "metrics").glob("part-*.parquet"))) == 4
+    run = load_run(tmp_path)
+    pd.testing.assert_frame_equal(run.metrics, _old_single_file_table(steps))
+    pd.testing.assert_frame_equal(run.trajectories, _old_single_file_table(trajectories))
+    # an older run folder (one metrics.parquet, no parts) still loads
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    _old_single_file_table(steps).to_parquet(legacy / "metrics.parquet", index=False)
+    pd.testing.assert_frame_equal(load_run(legacy).metrics, run.metrics)
+
+
+def test_rewind_drops_metrics_and_trajectories_of_redone_steps(tmp_path):
+    with RunWriter(tmp_path, flush_every=4, tensorboard=False) as writer:
+        for step in range(10):  # parts: steps 0-3, 4-7, 8-9
+            writer.log_step(step, {"loss": float(step)})
+            writer.log_trajectories([{"trajectory_id": f"t{step}-{i}"} for i in range(2)], step=step)
+    with RunWriter(tmp_path, tensorboard=False) as writer:  # resumed from the checkpoint after step 5
+        assert writer.num_steps == 10 and writer.last_step == 9
+        writer.rewind(6)
+        assert writer.num_steps == 6
+        for step in range(6, 8):
+            writer.log_step(step, {"loss": 10.0 * step})
+            writer.log_trajectories([{"trajectory_id": f"t{step}-{i}"} for i in range(2)], step=step)
+    run = load_run(tmp_path)
+    assert list(run.metrics.step) == list(range(8))
+    assert list(run.metrics.loss) == [0, 1, 2, 3, 4, 5, 60, 70]
+    assert run.trajectories.trajectory_id.is_unique and len(run.trajectories) == 16
+    assert list(run.trajectories.step) == sorted(run.trajectories.step)
+
+
+def test_writer_memory_stays_flat_over_100k_trajectories(tmp_path):
+    code = (
+        "import psutil\n"
+        "from laminar_jax.metrics import RunWriter\n"
+        f"w = RunWriter({str(tmp_path)!r}, tensorboard=False)\n"
+        "rss = []\n"
+        "for step in range(100):\n"
+        "    w.log_step(step, {'loss': 1.0})\n"
+        "    w.log_trajectories(({'group_id': f'e0-{step}-{i // 8}', 'prompt_id': f'p{i}', 'sample_index': i % 8,\n"
+        "                         'rollout_id': 'rollout-0', 'prompt_len': 10, 'response_len': 20, 'reward': 0.5,\n"
+        "                         'finish_reason': 'stop', 'gen_version': step, 'staleness': 1, 't_gen': 0.2}\n"
+        "                        for i in range(1000)), step=step)\n"
+        "    if step % 10 == 9:\n"
+        "        rss.append(psutil.Process().memory_info().rss / 2**20)\n"
+        "w.close()\n"
+        "print(*rss)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    rss = [float(x) for x in proc.stdout.split()]
+    # after the first flushes, 80k more rows (~100 MB as python dicts) add no memory
+    assert max(rss[2:]) - rss[1] < 15, rss
+    import pyarrow.parquet as pq
+    assert sum(pq.ParquetFile(p).metadata.num_rows for p in (tmp_path / "trajectories").iterdir()) == 100_000
+
+
+def test_trackers_come_from_the_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(None, ["run.trackers=[wandb]"])
+    with RunWriter(tmp_path / "wb", cfg) as writer:
+        assert writer.trackers == ("wandb",)
+        writer.log_step(0, {"loss": 2.0})
+        writer.log_step(1, {"loss": 1.0, "reward_seen_by_wandb": 0.5})
+    assert not (tmp_path / "wb" / "tb").exists()
+    (log,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.time() + 60  # the W&B service process finishes writing after finish() returns
+    while b"reward_seen_by_wandb" not in log.read_bytes() and time.time() < deadline:
+        time.sleep(0.2)
+    assert b"reward_seen_by_wandb" in log.read_bytes()
+    with RunWriter(tmp_path / "none", load_config(None, ["run.trackers=[]"])) as writer:
+        assert writer.trackers == ()
+        writer.log_step(0, {"loss": 1.0})
+    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["config.yaml", "events.jsonl", "metrics"]
+
+
+def test_reward_gain_defaults_and_exact_rate():
+    from laminar_jax.analysis import reward_gain
+    from laminar_jax.metrics import exact_rate
+    # a run shorter than an epoch: every prompt drawn once, so prompt ids never pair up; prompt
+    # lengths do (the default strata)
+    rows = [(f"p{i}", 3 + i % 2, v, 0.2 + 0.1 * (i % 2) + 0.05 * v) for v in range(7) for i in range(4 * v, 4 * v + 4)]
+    t = pd.DataFrame(rows, columns=["prompt_id", "prompt_len", "gen_version", "reward"])
+    g = reward_gain(t)
+    assert g["strata"] == 2 and g["gain"] == pytest.approx(0.05 * (5 - 1))  # early v 0-2, late v 4-6
+    assert math.isnan(reward_gain(t, strata="prompt_id")["gain"])
+    assert exact_rate([1.0, 0.5, 1.0, 0.0]) == 0.5 and math.isnan(exact_rate([]))

@@ -1,32 +1,68 @@
-"""Resume from a checkpoint: same version and cursor, no group lost or repeated.
+"""Resume after a real crash: the learner actor is killed mid-run; the rerun resumes from the last
+committed checkpoint with the same version and cursor, every step and trajectory logged once,
+an exact ledger, and no weight store left behind.
 
 Repack is tested deterministically without Ray, with real engines, workers and manager
 (tests/rollout/test_worker_repack.py): on a Ray run, whether two rollouts ramp down in the same
 manager round depends on timing, so a Ray test of it could not be made reliable."""
-import dataclasses
+import json
+import os
 
+import pytest
+import ray
 
 from laminar_jax.analysis import load_run
-from laminar_jax.runtime import driver
+from laminar_jax.runtime import driver, run_folder
 from tests.laminar_jax.runtime.runtime_fixtures import base_config
 
 
-def test_resume_continues_version_and_cursor(cluster, warm_model, tmp_path):
-    cfg = base_config(str(tmp_path), "resume", warm_model, **{"run.steps": 4, "run.checkpoint_every": 2})
-    first = driver.run(cfg, quiet=True)
-    assert list(load_run(first["run_dir"]).metrics.version) == [1, 2, 3, 4]
-    assert (tmp_path / "resume" / "checkpoints" / "4").exists()
-    cfg2 = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=7))
-    second = driver.run(cfg2, quiet=True)
+def _checkpoint_events(run_dir) -> set:
+    path = run_dir / "events.jsonl"
+    return {int(e["version"]) for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == "checkpoint"}
+
+
+def test_learner_killed_then_resumed_logs_each_step_and_trajectory_once(cluster, warm_model, tmp_path):
+    overrides = {"run.steps": 8, "run.checkpoint_every": 2, "run.checkpoint_every_s": 0}
+    cfg = base_config(str(tmp_path), "resume", warm_model, **overrides)
+    run_dir = tmp_path / "resume"
+    killed = {}
+
+    def kill_once_v4_is_committed(step, fleet, metrics):
+        if step < 4 or 4 not in _checkpoint_events(run_dir):
+            return
+        killed["store"] = ray.get(fleet.learner.weight_store.remote()).root
+        killed["step"] = step
+        ray.kill(fleet.learner, no_restart=True)  # a real crash: no close, no final checkpoint
+
+    with pytest.raises(ray.exceptions.RayActorError):
+        driver.run(cfg, quiet=True, on_step=kill_once_v4_is_committed)
+    assert not os.path.exists(killed["store"]), "the dead learner's weight store was left in /dev/shm"
+    crashed = load_run(run_dir)
+    assert list(crashed.metrics.step) == list(range(killed["step"] + 1))      # what the crash kept
+    latest = run_folder.checkpoints(str(run_dir))[-1]
+    logged = _checkpoint_events(run_dir)
+    # an event only for a committed save (a save the kill cut short has none)
+    assert {2, 4} <= logged <= {2, 4, 6} and max(logged) <= latest
+
+    # the printed resume command, run as printed, with one more step (run.steps may change)
+    hint = run_folder.resume_hint(cfg, [f"{k}={v}" for k, v in overrides.items()])
+    assert f"checkpoint v{latest}" in hint and hint.splitlines()[-1].strip().startswith("laminar train")
+    args = hint.splitlines()[-1].split()[2:]
+    resumed_cfg = base_config(str(tmp_path), "resume", warm_model,
+                              **{**dict(a.split("=", 1) for a in args), "run.steps": 9})
+    second = driver.run(resumed_cfg, quiet=True)
+    assert second["steps"] == 9 - latest                          # the steps after the checkpoint
     run = load_run(second["run_dir"])
-    assert second["steps"] == 3
-    assert list(run.metrics.step) == list(range(7))
-    assert list(run.metrics.version) == list(range(1, 8))
+    assert list(run.metrics.step) == list(range(9))
+    assert list(run.metrics.version) == list(range(1, 10))
     traj = run.trajectories
-    assert len(traj) == 7 * cfg.learner.global_batch_groups * cfg.data.group_size
-    counts = traj.groupby("group_id").size()
-    assert counts.eq(cfg.data.group_size).all(), "a group was consumed twice across the restart"
-    resumed = run.events[run.events.kind == "resumed"]
-    assert list(resumed.version) == [4]
+    groups, size = cfg.learner.global_batch_groups, cfg.data.group_size
+    assert len(traj) == 9 * groups * size
+    assert traj.trajectory_id.is_unique, "a trajectory was logged twice across the crash"
+    assert traj.groupby("group_id").size().eq(size).all(), "a group was consumed twice"
+    assert (traj.step == traj.learner_version).all()
+    assert list(run.events[run.events.kind == "resumed"].version) == [latest]
+    assert 9 in _checkpoint_events(run_dir)
     acc = second["accounting"]
-    assert acc["unaccounted"] == 0 and acc["consumed"] == 7 * cfg.learner.global_batch_groups
+    assert acc["unaccounted"] == 0 and acc["consumed"] == 9 * groups and acc["duplicates"] == 0
+    assert 0.0 <= second["exact_rate_first"] <= 1.0 and run.metrics.exact_rate.between(0, 1).all()
