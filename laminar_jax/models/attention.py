@@ -110,6 +110,10 @@ def _skip(q_pos_blk, kv_pos_blk):
 
 def _fwd_impl(q, k, v, q_seg, kv_seg, q_pos, kv_pos, bq, bk):
     """Blocked forward: out [B, T, K, G, D] (q.dtype) and lse [B, K, G, T] fp32 (0 where empty)."""
+    # Inside a layer scan, segment ids and positions are loop-invariant, and XLA would hoist the
+    # per-block masks out of the layer loop, materialising all [nq, nk] of them (quadratic); the
+    # barrier ties them to this layer's q.
+    q, q_seg, kv_seg, q_pos, kv_pos = jax.lax.optimization_barrier((q, q_seg, kv_seg, q_pos, kv_pos))
     b, t, kh, g, d = q.shape
     scale = 1.0 / math.sqrt(d)
     nq, nk = t // bq, k.shape[1] // bk
@@ -160,6 +164,7 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, bq, bk):
 
 def _flash_bwd(bq, bk, res, d_out):
     q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = res
+    d_out, q_seg, kv_seg, q_pos, kv_pos = jax.lax.optimization_barrier((d_out, q_seg, kv_seg, q_pos, kv_pos))
     b, t, kh, g, d = q.shape
     scale = 1.0 / math.sqrt(d)
     nq, nk = t // bq, k.shape[1] // bk

@@ -80,7 +80,10 @@ def qkv_projection(cfg: DecoderConfig, p: dict, x: jax.Array, cos: jax.Array, si
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(D) + mask) v with grouped-query heads.
+    """softmax(q k^T / sqrt(D) + mask) v with grouped-query heads, from an explicit mask.
+
+    The decoder no longer calls this: `models.attention.attention` is the entry point and builds
+    no [B, T, S] mask. Kept for callers that hold a mask.
 
     q [B, T, H, D]; k, v [B, S, K, D]; mask bool [B, T, S] (True = may attend). Scores and softmax
     in fp32; returns [B, T, H, D] in q.dtype.

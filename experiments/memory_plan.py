@@ -1,0 +1,126 @@
+"""Per-device memory of the paper presets' learner step, on paper: lower and compile one train
+step on 8 fake CPU devices from abstract inputs (`jax.ShapeDtypeStruct`, no weights allocated).
+
+The step is the real one (`runtime.rl_step.build` -> `learner.train_step.TrainStep`): the
+preset's loss, optimizer, mesh (fsdp 8), `learner.remat`, `model.attention` (auto = blockwise on
+CPU), bf16 compute over fp32 master params, log-prob chunking. The shapes: Qwen2.5-7B (and 32B)
+config.json values, one row of `learner.max_seq_len` = 18,432 tokens per device per micro-batch,
+two micro-batches (so the fp32 gradient accumulator is counted).
+
+    PYTHONPATH=$PWD .venv/bin/python experiments/memory_plan.py [--models 7b,32b] [--remat block]
+
+Prints a table and writes experiments/results/memory_plan.json. XLA:CPU's buffer assignment is a
+proxy for an accelerator's (same program, same shapes; fusion and bf16 handling differ).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from laminar_jax import sharding as shd  # noqa: E402
+from laminar_jax.config_loader import load_config  # noqa: E402
+from laminar_jax.learner import train_state as ts  # noqa: E402
+from laminar_jax.learner.optim import optimizer_from_config  # noqa: E402
+from laminar_jax.learner.setup import LearnerSetup  # noqa: E402
+from laminar_jax.models.config import DecoderConfig  # noqa: E402
+from laminar_jax.models.decoder import Decoder  # noqa: E402
+from laminar_jax.runtime import rl_step  # noqa: E402
+
+# config.json values of Qwen/Qwen2.5-7B and Qwen/Qwen2.5-32B (shapes only)
+HF = {
+    "7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6,
+               max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "32b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, rope_theta=1e6,
+                max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+GIB = 2 ** 30
+
+
+def _per_device_bytes(tree) -> int:
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def plan(cfg, model: str, *, remat: str, micro_batches: int):
+    m = cfg.model
+    dcfg = DecoderConfig.from_hf(HF[model], param_dtype=m.param_dtype, dtype=m.dtype, attention=m.attention)
+    mesh = shd.mesh_from_config(cfg.mesh)
+    init_fn = lambda: Decoder(dcfg, rngs=nnx.Rngs(0), remat=remat)  # noqa: E731
+    sharded = ts.shard_model(init_fn, mesh, shd.DEFAULT_RULES)
+    tx, schedule = optimizer_from_config(cfg.optimizer, total_steps=cfg.run.steps)
+    state = ts.abstract_train_state(sharded, tx)
+    shardings = ts.train_state_shardings(tx, sharded)
+    setup = LearnerSetup(dcfg, mesh, sharded, tx, schedule, state, shardings)
+    div = shd.batch_divisor(mesh)
+    rows, length = div * micro_batches, cfg.learner.max_seq_len
+    c = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, micro_batch_size=div, remat=remat))
+    fns = rl_step.build(c, setup, mini_batch_rows=rows)
+    ints = ("tokens", "positions", "segment_ids")
+    keys = rl_step.TRAIN_KEYS + (("prox_logp",) if fns.needs_prox else ())
+    batch = {k: jax.ShapeDtypeStruct((rows, length), jnp.int32 if k in ints else jnp.float32) for k in keys}
+    batch["normaliser"] = jax.ShapeDtypeStruct((), jnp.float32)
+    t0 = time.perf_counter()
+    compiled = fns.train.jitted(batch).lower(state, batch).compile()
+    mem = compiled.memory_analysis()
+    row = dict(model=model, params_b=dcfg.num_params() / 1e9, devices=mesh.size, mesh=dict(mesh.shape),
+               tokens_per_device_micro_batch=rows * length // div, micro_batches=micro_batches, remat=remat,
+               attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype,
+               params_bytes=_per_device_bytes(state.params), opt_state_bytes=_per_device_bytes(state.opt_state),
+               argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
+               alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
+               compile_s=time.perf_counter() - t0)
+    row["peak_bytes"] = row["argument_bytes"] + row["output_bytes"] - row["alias_bytes"] + row["temp_bytes"]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/paper/qwen7b_math_laminar.yaml")
+    ap.add_argument("--models", default="7b,32b")
+    ap.add_argument("--remat", default=None, help="override learner.remat (default: the preset's)")
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--out", default="experiments/results/memory_plan.json")
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    remat = args.remat or cfg.learner.remat
+    rows = []
+    for model in args.models.split(","):
+        r = plan(cfg, model, remat=remat, micro_batches=args.micro_batches)
+        rows.append(r)
+        print(f"{model}: compiled in {r['compile_s']:.0f} s", flush=True)
+    print(f"\n{args.config}: per device, fsdp 8, {cfg.learner.max_seq_len} tokens per device per micro-batch, "
+          f"remat={remat}, attention={cfg.model.attention} (CPU: blockwise)")
+    print("| model | params | optimizer state | activations + temp | peak (args + out - donated + temp) | fits 80 GB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| Qwen2.5-{r['model'].upper()} ({r['params_b']:.1f}B) | {r['params_bytes'] / GIB:.1f} GiB | "
+              f"{r['opt_state_bytes'] / GIB:.1f} GiB | {r['temp_bytes'] / GIB:.1f} GiB | {r['peak_bytes'] / GIB:.1f} GiB | "
+              f"{'yes' if r['peak_bytes'] <= 80e9 else 'no'} |")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(config=args.config, rows=rows, argv=sys.argv[1:]), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The config fields of the learner's attention, remat and buckets reach the code that uses them."""
+import dataclasses
+
+import pytest
+
+from laminar_jax.config import Config, LearnerConfig, ModelConfig, RunConfig
+from laminar_jax.learner.setup import build, model_config
+from laminar_jax.runtime import rl_step
+
+
+def test_model_attention_reaches_the_decoder_and_is_checked_against_the_backend():
+    assert model_config(ModelConfig(attention="naive"))[0].attention == "naive"
+    assert model_config(ModelConfig())[0].attention == "auto"
+    with pytest.raises(ValueError, match=r"model.attention: 'cudnn' is not available on the 'cpu' backend"):
+        build(Config(model=ModelConfig(attention="cudnn")), total_steps=1)
+
+
+def test_learner_remat_and_buckets_reach_the_step():
+    cfg = Config(run=RunConfig(steps=2), learner=LearnerConfig(remat="dots_saveable", max_seq_len=256,
+                                                               min_bucket=32, global_batch_groups=2))
+    setup = build(cfg, total_steps=2)
+    assert setup.sharded.bind(setup.state.params).remat == "dots_saveable"
+    fns = rl_step.build(cfg, setup, mini_batch_rows=2 * cfg.data.group_size)
+    assert [n for _, n in rl_step.batch_shapes(cfg, fns)] == [32, 64, 128, 256]
+    packed = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, pack=True))
+    assert {n for _, n in rl_step.batch_shapes(packed, fns)} == {256}
