@@ -103,9 +103,6 @@ class SimBuffer:
         pop = self.groups.popleft
         return [pop() for _ in range(count)]
 
-    def count_tagged(self, tag: int) -> int:
-        return sum(1 for r in self.groups if r.tag == tag)
-
     def take_tagged(self, tag: int, count: int) -> list[BufferedGroup] | None:
         """The `count` oldest groups labelled `tag` (the runtime's BatchSampler), or None."""
         picked = [r for r in self.groups if r.tag == tag][:count]

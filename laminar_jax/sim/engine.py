@@ -155,7 +155,7 @@ class Sim:
             if t > max_t:
                 self._cap("run.max_time_s", f"{max_t:g} s of simulated time")
             if self._next_group * gs > max_n:
-                self._cap("run.max_trajectories", f"{max_n:,} generated trajectories")
+                self._cap("run.max_trajectories", f"{max_n:,} trajectories issued to rollouts")
         if len(self.steps) < target:
             self._cap("the event queue", "no event left (the modes' rules deadlocked)")
         return self
