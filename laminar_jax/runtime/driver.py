@@ -24,7 +24,7 @@ import ray
 
 from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
-from laminar_jax.runtime import cluster, progress
+from laminar_jax.runtime import cluster, engines, progress
 from laminar_jax.runtime.fleet import Fleet
 
 
@@ -58,6 +58,7 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     """
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     model_dir = cfg.model.hf_path
+    engines.check_engines(cfg, model_dir)  # vLLM missing or the model's architecture: before the warm-up
     if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
         model_dir = warm_up(cfg, run_dir)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=model_dir))
@@ -80,7 +81,8 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
     start = ray.get(fleet.learner.current_version.remote())
-    say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts, relays "
+    pools = ", ".join(f"{p.num_rollouts} {p.engine}" for p in cfg.rollout.pools_resolved())
+    say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts ({pools}), relays "
         f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, model "
         f"{model_dir or cfg.model.preset}, steps {start}..{cfg.run.steps}, run folder {run_dir}")
     meter, rows = progress.RolloutMeter(), []

@@ -22,6 +22,7 @@ import ray
 
 from laminar_jax.manager import modes
 from laminar_jax.runtime import batch as B
+from laminar_jax.runtime import engine_metrics
 from laminar_jax.runtime import rl_step
 from laminar_jax.runtime.checkpoint import Checkpointer
 
@@ -104,8 +105,12 @@ class Learner:
         max_len = self.cfg.learner.max_seq_len
         batch = B.assemble(groups, learner_version=self.version, max_seq_len=max_len, min_len=min(64, max_len))
         batch["advantages"], metrics = self.fns.advantages(batch, len(groups))
+        # the learner's log-probs at this version: prox_logp, and the engines' mismatch metrics
+        learner_logp = self.fns.logprobs(self.state.params, batch)
         if self.fns.needs_prox:
-            batch["prox_logp"] = self.fns.logprobs(self.state.params, batch)
+            batch["prox_logp"] = learner_logp
+        metrics.update(engine_metrics.step_metrics(self.cfg, batch, learner_logp,
+                                                   [t.rollout_id for g in groups for t in g]))
         if self.fns.needs_ref:
             batch["ref_logp"] = self.fns.logprobs(self.ref_params, batch)
         steps = []
@@ -119,7 +124,9 @@ class Learner:
             steps.append(rl_step.scalar_metrics(m, "loss/"))
         for key in steps[0]:
             metrics[key] = float(np.mean([s[key] for s in steps]))
-        return metrics, [dict(t.log_row(self.version), learner_version=self.version) for g in groups for t in g]
+        table = engine_metrics.labels(self.cfg)
+        return metrics, [dict(t.log_row(self.version), learner_version=self.version,
+                              **engine_metrics.row_labels(self.cfg, t.rollout_id, table)) for g in groups for t in g]
 
     def step(self) -> dict:
         """One iteration; returns {"metrics", "trajectories", "events", "version"}."""
