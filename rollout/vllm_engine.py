@@ -121,6 +121,7 @@ class VllmEngine:
         # vLLM keeps one block in reserve: usage = used / (num_blocks - 1).
         self._kv_capacity_tokens = (int(cache.num_gpu_blocks) - 1) * int(cache.block_size)
         self.weight_version = int(weight_version)
+        self._head_from: str | None = None   # tied model served untied (from_tensors)
         self._tracks: dict[str, _Track] = {}
 
     @classmethod
@@ -132,13 +133,18 @@ class VllmEngine:
         import shutil
 
         os.makedirs(workdir, exist_ok=True)
+        # Tied embeddings start untied: vLLM's layerwise reload re-creates the LM head's weight and
+        # leaves it unloaded (its dummy values), as the checkpoint skips lm_head for a tied model.
+        # An untied head gets the embedding tensor itself at every load (`load_weights`).
+        tied = bool(config.get("tie_word_embeddings"))
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config, f)
+            json.dump(dict(config, tie_word_embeddings=False) if tied else config, f)
         for name in _TOKENIZER_FILES:
             src = os.path.join(tokenizer_dir, name) if tokenizer_dir else None
             if src and os.path.exists(src):
                 shutil.copyfile(src, os.path.join(workdir, name))
         engine = cls(workdir, load_format="dummy", weight_version=version, **kwargs)
+        engine._head_from = "model.embed_tokens.weight" if tied else None
         engine.load_weights(tensors, version)
         return engine
 
@@ -207,6 +213,8 @@ class VllmEngine:
     def load_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         """Replace all weights in place (HF names and shapes); checked before anything is sent."""
         where = f"load_weights(version={version})"
+        if self._head_from is not None and "lm_head.weight" not in tensors and self._head_from in tensors:
+            tensors = {**tensors, "lm_head.weight": tensors[self._head_from]}
         missing = [n for n in self._expected if n not in tensors]
         if missing:
             raise ValueError(f"{where}: missing tensor {missing[0]!r} (expected shape {self._expected[missing[0]]})"
