@@ -5,6 +5,7 @@ than the cluster has. The resource check runs on a real Ray cluster declaring lo
 the runtime tests' own cluster."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,7 @@ def test_architecture_vllm_does_not_support_is_named(tmp_path):
 RESOURCES = textwrap.dedent('''
     import os, ray
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, num_gpus=3, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False)
     from laminar_jax.config import load_config
     from laminar_jax.runtime import cluster
     pools = "[{name: big, engine: vllm, num_rollouts: 1, accelerators_per_rollout: 2}, {name: cpu, num_rollouts: 1}]"
@@ -73,7 +74,8 @@ RESOURCES = textwrap.dedent('''
 
 
 def test_pool_asking_for_more_accelerators_than_the_cluster_has(tmp_path):
-    out = subprocess.run([sys.executable, "-c", RESOURCES], capture_output=True, text=True, timeout=180)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", RESOURCES], capture_output=True, text=True, timeout=180, env=env)
     lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.stdout.splitlines() if ln[:4] in ("NEED", "GPUS", "ERRO")}
     assert "NEED" in lines, out.stderr[-2000:]
     assert "'rollout-0': 2.0" in lines["NEED"] and "'learner': 1.0" in lines["NEED"]

@@ -10,8 +10,10 @@ with version v (the step's `mismatch/vllm/*` metrics) agree within VLLM_LOGP_TOL
 """
 import glob
 import os
+import time
 
 import pytest
+import ray
 
 pytest.importorskip("vllm")
 
@@ -32,6 +34,17 @@ STARTUP_FILES = {"config.json", "tokenizer.json", "tokenizer_config.json"}  # th
 def _files_written(fleet, seen):
     for d in fleet.workdirs:
         seen.append(sorted(os.listdir(d)))
+
+
+def _wait_for_vllm(step, fleet, m, timeout_s=300):
+    """After the first step, until the vLLM rollout has its engine (the JAX ones start in seconds;
+    vLLM-CPU takes tens): the run's later steps then see both pools."""
+    if step != 0:
+        return
+    start = time.time()
+    while ray.get(fleet.workers["rollout-0"].stats.remote(), timeout=60)["version"] < 0:
+        assert time.time() - start < timeout_s, "the vLLM rollout did not start"
+        time.sleep(1)
 
 
 def _gain(cfg, traj):
@@ -72,12 +85,13 @@ def test_train_with_vllm_rollouts_learns_and_switches_versions_in_place(cluster,
 
 
 def test_mixed_pools_in_laminar_mode_with_repack(cluster, countdown_model, tmp_path):
+    # the JAX rollouts take one group at a time, so the vLLM rollout's groups reach the buffer
     pools = ("[{name: gpu_like, engine: vllm, num_rollouts: 1, kv_budget_tokens: 1024},"
-             " {name: cpu_jax, engine: jax, num_rollouts: 2, max_concurrency: 16}]")
+             " {name: cpu_jax, engine: jax, num_rollouts: 2, max_concurrency: 8}]")
     cfg = countdown_config(str(tmp_path), "mixed", countdown_model, **{
         "manager.mode": "laminar", "manager.repack": "true", "rollout.num_rollouts": 3, "rollout.pools": pools,
-        "run.steps": 6})
-    summary = driver.run(cfg, quiet=True)
+        "run.steps": 8})
+    summary = driver.run(cfg, quiet=True, on_step=_wait_for_vllm)
     run = load_run(summary["run_dir"])
     m, traj, ev = run.metrics, run.trajectories, run.events
     assert len(m) == cfg.run.steps
