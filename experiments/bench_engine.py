@@ -13,6 +13,11 @@ no stop token), all added at once, after one warm-up run of the same shape; the 
 - decode tok/s: c / median step time once every request has its first token (a median keeps the
   number steady on a shared machine; `generate` is timed per token by a stopping criterion);
 - total tok/s: c * new_tokens / wall time.
+Version switch (`--switches N`, JAX and vLLM): N in-place `load_weights` of the whole model from
+read-only views of one flat buffer, as a rollout gets them from its relay's mapped memory
+(`weights.flat`), timed until the new weights are usable (JAX: arrays ready; vLLM: the worker's
+reload returned); the median, in seconds per GB of weights, next to one plain copy of the buffer
+(numpy copyto) measured in the same process, so "copies" = switch time / one copy.
 Each engine runs in its own subprocess with the same thread budget (`--threads`, default 1:
 OMP_NUM_THREADS for torch and vLLM, single-threaded XLA for JAX): the comparison is per core, and
 it avoids OpenMP spin-wait contention on a shared machine (in-process vLLM-CPU with two OpenMP
@@ -48,6 +53,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="CPU threads per engine (0: library defaults)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per level (best kept)")
+    p.add_argument("--switches", type=int, default=3, help="timed in-place version switches (0: none)")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "bench_engine.json"))
     p.add_argument("--worker", nargs=2, metavar=("ENGINE", "FOLDER"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -103,6 +109,34 @@ def _run_hf(model, c, args, vocab) -> dict:
     return _summary(c, args, t0, [step_ends[0]] * c, step_ends, step_ends[-1])
 
 
+def _switch_times(engine, kind: str, folder: str, n: int) -> dict:
+    """Median in-place switch from relay-like read-only views, and one plain copy, in s/GB."""
+    from laminar_jax.models.hf import read_tensors
+    from laminar_jax.weights import flat
+
+    buf, index = flat.flatten(read_tensors(folder)[0])
+    buf.flags.writeable = False
+    views = flat.unflatten(buf, index)
+    gb = buf.nbytes / 1e9
+    times = []
+    for i in range(n + 1):  # the first one warms up (allocations, compiled converts)
+        t = time.perf_counter()
+        engine.load_weights(views, version=100 + i)
+        if kind == "jax":
+            import jax
+            jax.block_until_ready(engine._params)
+        times.append(time.perf_counter() - t)
+    dst = np.empty_like(buf)
+    copies = []
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(dst, buf)
+        copies.append(time.perf_counter() - t)
+    switch, copy = float(np.median(times[1:])), float(np.min(copies))
+    return dict(bytes=int(buf.nbytes), switch_s=switch, switch_s_per_gb=switch / gb, copy_s_per_gb=copy / gb,
+                copies=switch / copy)
+
+
 def _worker(args) -> None:
     """Run one engine on one checkpoint over all concurrencies; JSON lines on stdout."""
     kind, folder = args.worker
@@ -125,6 +159,8 @@ def _worker(args) -> None:
             torch.set_num_threads(args.threads)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         run = lambda c: _run_hf(model, c, args, vocab)  # noqa: E731
+    if args.switches and kind in ("jax", "vllm"):
+        print("SWITCH " + json.dumps(_switch_times(engine, kind, folder, args.switches)), flush=True)
     for c in levels:
         run(c)  # warm-up: compiles (JAX) and allocates for this shape
         runs = [run(c) for _ in range(args.repeats)]
@@ -172,7 +208,7 @@ def main(argv=None) -> None:
         if "vllm" in engines:
             print("vllm is not installed in this environment: skipping the vLLM engine", file=sys.stderr)
             engines.remove("vllm")
-    rows, env = [], dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+    rows, switches, env = [], [], dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                          PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if args.threads > 0:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -185,22 +221,30 @@ def main(argv=None) -> None:
             for engine in engines:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, folder,
                        "--concurrency", args.concurrency, "--prompt-len", str(args.prompt_len),
-                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                       "--switches", str(args.switches)]
                 t = time.time()
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 got = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
                 if proc.returncode != 0:
                     print(f"{engine} on {model} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 rows += [dict(model=model, engine=engine, **r) for r in got]
+                switches += [dict(model=model, engine=engine, **json.loads(line[7:]))
+                             for line in proc.stdout.splitlines() if line.startswith("SWITCH ")]
                 print(f"{engine:5} {model:5}: {len(got)} levels in {time.time() - t:.0f} s", file=sys.stderr)
     table = _table(rows)
+    if switches:
+        table += "\n\nin-place version switch (relay views):\n" + "\n".join(
+            f"{w['model']:6} {w['engine']:5} {w['bytes'] / 1e6:8.1f} MB  {w['switch_s'] * 1e3:8.1f} ms  "
+            f"{w['switch_s_per_gb']:6.2f} s/GB  (one copy {w['copy_s_per_gb']:.2f} s/GB: {w['copies']:.1f} copies)"
+            for w in switches)
     print(table)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=sys.version.split()[0]),
                        settings=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, engines=engines,
                                      threads=args.threads, repeats=args.repeats),
-                       results=rows, table=table.splitlines()), f, indent=2)
+                       results=rows, switch=switches, table=table.splitlines()), f, indent=2)
     print(f"wrote {args.out}")
 
 

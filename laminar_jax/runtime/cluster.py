@@ -12,12 +12,13 @@ from typing import Any
 
 import ray
 
+from laminar_jax.config_loader import ConfigError
 from laminar_jax.runtime import compile_cache
 
 LOGICAL_CPUS = 16
 
 
-class ClusterError(ValueError):
+class ClusterError(ConfigError):
     """The cluster cannot host what the config asks for."""
 
 
@@ -43,31 +44,70 @@ def accelerator_kind() -> str | None:
     return "GPU" if res.get("GPU", 0) > 0 else ("TPU" if res.get("TPU", 0) > 0 else None)
 
 
-def check_resources(cfg: Any, learner_devices: int) -> dict[str, float]:
-    """Accelerators each rollout and the learner ask for; ClusterError when the cluster lacks them."""
+def check_resources(cfg: Any, learner_devices: int) -> dict[str, Any]:
+    """Accelerators the learner and each rollout ask for; ClusterError, before any actor starts,
+    when the cluster lacks them. Returns {"learner": n, "rollout": {rollout id: n}}.
+
+    Pool by pool (`rollout.pools`, or the short form as one pool), in order: each pool's total
+    must fit in what the learner and the earlier pools leave, and a rollout asking for more than
+    one accelerator must fit on one node (its placement group is one bundle)."""
     kind = accelerator_kind()
-    per_rollout = cfg.rollout.accelerators_per_rollout
-    want = per_rollout * cfg.rollout.num_rollouts + (learner_devices if kind else 0)
-    have = ray.cluster_resources().get(kind or "GPU", 0.0)
-    if per_rollout > 0 and want > have:
-        raise ClusterError(
-            f"rollout.accelerators_per_rollout={per_rollout} x rollout.num_rollouts={cfg.rollout.num_rollouts}"
-            f"{f' + learner {learner_devices}' if kind else ''} = {want} {kind or 'GPU'}s, but the Ray cluster "
-            f"has {have}; lower the config or add nodes")
-    return {"rollout": per_rollout, "learner": float(learner_devices) if kind else 0.0}
+    res = ray.cluster_resources()
+    have = res.get(kind or "GPU", 0.0)
+    learner = float(learner_devices) if kind else 0.0
+    per_node = max((n["Resources"].get(kind or "GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
+    used, need = learner, {}
+    short = not cfg.rollout.pools
+    for i, pool in enumerate(cfg.rollout.pools_resolved()):
+        key = "rollout" if short else f"rollout.pools[{i}]"
+        a = pool.accelerators_per_rollout
+        want = a * pool.num_rollouts
+        name = "" if short else f" (pool {pool.name!r}, engine {pool.engine})"
+        if a > 0 and used + want > have:
+            raise ClusterError(
+                f"{key}{name}: {pool.num_rollouts} rollouts x {key}.accelerators_per_rollout={a} = {want:g} "
+                f"{kind or 'GPU'}s, but the Ray cluster has {have:g}{f' ({used:g} taken by the learner and earlier pools)' if used else ''}; "
+                f"lower the config or add nodes")
+        if a > 1 and a > per_node:
+            raise ClusterError(f"{key}{name}: {key}.accelerators_per_rollout={a} {kind or 'GPU'}s for one rollout, "
+                               f"but no node has more than {per_node:g}")
+        used += want
+    for rid, pool in cfg.rollout.assignments():
+        need[rid] = pool.accelerators_per_rollout
+    return {"learner": learner, "rollout": need}
+
+
+def placement_group_for(kind: str, accelerators: float, name: str, timeout_s: float = 120.0):
+    """A one-bundle placement group holding a multi-accelerator rollout's devices on one node
+    (vLLM's tensor-parallel workers run inside the rollout's actor); ClusterError on timeout."""
+    from ray.util.placement_group import placement_group
+
+    bundle = {"GPU": accelerators} if kind == "GPU" else {kind: accelerators}
+    pg = placement_group([bundle], strategy="STRICT_PACK", name=name)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(pg)
+        raise ClusterError(f"{name}: no node could reserve {accelerators:g} {kind}s within {timeout_s:.0f} s") from None
+    return pg
 
 
 def actor_options(kind: str | None, accelerators: float, *, devices: int = 1, node: str | None = None,
-                  max_concurrency: int = 8) -> dict:
+                  max_concurrency: int = 8, placement_group: Any = None, env: dict | None = None) -> dict:
     """Ray options: logical 0 CPUs, the accelerators asked for, and on CPU `devices` fake JAX
-    devices (XLA_FLAGS in the runtime env), pinned to `node` when given."""
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    devices (XLA_FLAGS in the runtime env), pinned to `node` when given, or scheduled in bundle 0
+    of `placement_group`. `env`: more environment variables of the actor."""
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
     if kind is None:
         env["JAX_PLATFORMS"] = "cpu"
     opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=max_concurrency, runtime_env={"env_vars": env})
     if accelerators and kind:
         opts["num_gpus" if kind == "GPU" else "resources"] = accelerators if kind == "GPU" else {kind: accelerators}
-    if node is not None:
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=0)
+    elif node is not None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     return opts

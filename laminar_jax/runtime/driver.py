@@ -27,7 +27,7 @@ import ray
 from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
 from laminar_jax.rewards.health import RewardWatch
-from laminar_jax.runtime import breakdown, cluster, compile_cache, progress, run_folder
+from laminar_jax.runtime import breakdown, cluster, compile_cache, engines, progress, run_folder
 from laminar_jax.runtime.fleet import Fleet
 
 
@@ -66,6 +66,7 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     compile_cache.enable(cfg.run.compile_cache)   # the warm-up's compiles too
     plan = run_folder.plan(cfg, run_dir)  # refuses a folder it must not touch, before anything starts
     model_dir = cfg.model.hf_path
+    engines.check_engines(cfg, model_dir)  # vLLM missing or the model's architecture: before the warm-up
     if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
         model_dir = warm_up(cfg, run_dir)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=model_dir))
@@ -111,7 +112,8 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
         say(f"warning: the run folder lacks the metrics of steps {stored + 1}..{start - 1} (lost in a crash "
             f"before they were written); checkpoint v{start} resumes after them")
     # steps as in the metrics' `step` column (0-based); paths on their own line
-    say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts, relays "
+    pools = ", ".join(f"{p.num_rollouts} {p.engine}" for p in cfg.rollout.pools_resolved())
+    say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts ({pools}), relays "
         f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, "
         f"steps {start}..{cfg.run.steps - 1}")
     say(f"  model {model_dir or cfg.model.preset}\n  run folder {run_dir}")

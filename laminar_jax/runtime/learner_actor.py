@@ -25,6 +25,7 @@ from laminar_jax.manager import modes
 from laminar_jax.metrics import exact_rate
 from laminar_jax.runtime import batch as B
 from laminar_jax.runtime import breakdown, compile_cache
+from laminar_jax.runtime import engine_metrics
 from laminar_jax.runtime import rl_step
 from laminar_jax.runtime.checkpoint import Checkpointer, checkpoint_due
 
@@ -141,10 +142,17 @@ class Learner:
                            min_len=min(lc.min_bucket, lc.max_seq_len), rows=rows)
         batch["advantages"], metrics = self.fns.advantages(batch, len(groups))
         clock = self._times.add("batch_s", clock)
+        # the learner's log-probs at this version: the engines' mismatch metrics, and prox_logp
+        # when the anchor is this version's weights (packing carries it into the rows)
+        learner_logp = self.fns.logprobs(self.state.params, batch)
+        metrics.update(engine_metrics.step_metrics(self.cfg, batch, learner_logp,
+                                                   [t.rollout_id for g in groups for t in g]))
+        if self.fns.needs_prox and not self.cfg.loss.needs_ewma:
+            batch["prox_logp"] = learner_logp
         mbs = B.layout(batch, mini_batches, pack_rows=lc.pack, max_seq_len=lc.max_seq_len,
                        row_multiple=self.fns.row_multiple)
         for mb in mbs:  # before any update: prox/ref log-probs are of this version's params
-            if self.fns.needs_prox:
+            if self.fns.needs_prox and "prox_logp" not in mb:
                 mb["prox_logp"] = self.fns.logprobs(self.fns.prox_params(self.state), mb)
             if self.fns.needs_ref:
                 mb["ref_logp"] = self.fns.logprobs(self.ref_params, mb)
@@ -165,8 +173,10 @@ class Learner:
         self._times.add("update_s", clock)
         for key in steps[0]:
             metrics[key] = float(np.mean([s[key] for s in steps]))
+        table = engine_metrics.labels(self.cfg)
         return metrics, [dict(t.log_row(self.version), learner_version=self.version,
-                              trajectory_id=f"{t.group_id}/{t.sample_index}") for g in groups for t in g]
+                              trajectory_id=f"{t.group_id}/{t.sample_index}",
+                              **engine_metrics.row_labels(self.cfg, t.rollout_id, table)) for g in groups for t in g]
 
     def step(self) -> dict:
         """One iteration; returns {"metrics", "trajectories", "events", "version"}."""

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU check of the learner and the rollout engines, in two parts (README "Running on GPUs").
+#
+#   experiments/gpu_check.sh A              GPU box with JAX+CUDA, no Ray, no vLLM (the lent machine)
+#   experiments/gpu_check.sh A --cpu-smoke  the same steps, tiny and short, on CPU (shows the script works)
+#   experiments/gpu_check.sh B              GPU node with the vllm extra (pip install 'laminar-jax[vllm]')
+#
+# Part A: the learner bench on the GPU; the JAX engine bench (decode tokens/s at concurrency 1..256,
+# seconds per in-place version switch); JAX engine vs learner log-prob parity in bf16 (and fp32).
+# JSON under experiments/results/gpu/ (the smoke run: experiments/results/gpu/cpu_smoke/).
+# Part B: the same engine bench and parity with vLLM next to JAX, then a short
+# `laminar train rollout.engine=vllm` with one vLLM rollout on its own GPU (learner on another;
+# rollout.accelerators_per_rollout is the rollout's Ray GPU share and, below 1, vLLM's
+# gpu_memory_utilization).
+# Needs only what the working tree brings (PYTHONPATH=repo root); every step has a time limit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PART="${1:-A}"; SMOKE="${2:-}"
+PY="${PYTHON:-python}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=experiments/results/gpu
+if [[ "$SMOKE" == "--cpu-smoke" ]]; then
+  export JAX_PLATFORMS=cpu; OUT=$OUT/cpu_smoke
+  MODELS=tiny; LEVELS=1,4; NEW=8; REPEATS=1; STEPS=1; SW=2
+else
+  export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
+  MODELS=tiny,100m; LEVELS=1,2,4,8,16,32,64,128,256; NEW=64; REPEATS=2; STEPS=3; SW=3
+fi
+mkdir -p "$OUT"
+step() { echo; echo "== $1"; shift; timeout "${LIMIT:-900}" "$@"; }
+
+if [[ "$PART" == "A" ]]; then
+  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+  step "learner bench" "$PY" experiments/bench_learner.py --models "$MODELS" --steps "$STEPS" \
+      --out "$OUT/bench_learner.json"
+  step "JAX engine bench (decode tok/s vs concurrency, in-place switch s/GB)" "$PY" experiments/bench_engine.py \
+      --engines jax --models "${MODELS##*,}" --concurrency "$LEVELS" --new-tokens "$NEW" --repeats "$REPEATS" \
+      --threads 0 --switches "$SW" --out "$OUT/bench_engine_jax.json"
+  step "JAX engine vs learner log-probs (bf16, fp32)" "$PY" experiments/engine_parity.py --engines jax \
+      --model "${MODELS##*,}" --dtypes bfloat16,float32 --out "$OUT/engine_parity_jax.json"
+elif [[ "$PART" == "B" ]]; then
+  "$PY" -c "import vllm, ray; print('vllm', vllm.__version__, 'ray', ray.__version__)"
+  step "vLLM + JAX engine bench" "$PY" experiments/bench_engine.py --engines jax,vllm --models "${MODELS##*,}" \
+      --concurrency "$LEVELS" --new-tokens "$NEW" --repeats "$REPEATS" --threads 0 --switches "$SW" \
+      --out "$OUT/bench_engine_vllm.json"
+  step "vLLM and JAX engines vs learner log-probs" "$PY" experiments/engine_parity.py --engines jax,vllm \
+      --model "${MODELS##*,}" --dtypes bfloat16,float32 --out "$OUT/engine_parity_vllm.json"
+  step "laminar train rollout.engine=vllm" "$PY" -m laminar_jax.cli train configs/default.yaml \
+      run.name=gpu_vllm run.out_dir=/tmp/laminar-gpu-check run.steps=10 data.task=arithmetic \
+      rollout.engine=vllm rollout.num_rollouts=1 rollout.accelerators_per_rollout="${ROLLOUT_GPUS:-1.0}" \
+      model.dtype=bfloat16 model.rollout_dtype=bfloat16
+  "$PY" - <<'PYEOF'
+import json
+from laminar_jax.analysis import load_run
+run = load_run("/tmp/laminar-gpu-check/gpu_vllm")
+m = run.metrics
+keys = [k for k in m.columns if k.startswith("mismatch/vllm/")]
+assert set(run.trajectories.engine) == {"vllm"}, "the run's rollouts were not vLLM"
+out = {k: float(m[k].mean()) for k in keys} | {"reward_first": float(m.reward_mean.iloc[0]),
+                                              "reward_last": float(m.reward_mean.iloc[-1])}
+json.dump(out, open("experiments/results/gpu/train_vllm.json", "w"), indent=2)
+print(out)
+PYEOF
+else
+  echo "usage: $0 A [--cpu-smoke] | B" >&2; exit 2
+fi
+echo; echo "results in $OUT"

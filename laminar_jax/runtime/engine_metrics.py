@@ -1,0 +1,51 @@
+"""Per-engine metrics of a learner step: each pool's share, and each engine's log-prob mismatch.
+
+    mismatch/<engine>/<key>   rl.mismatch.mismatch_metrics (abs_mean, abs_max, k1, k3, chi2,
+                              num_tokens) of the learner's log-probs against the engine's
+                              behaviour log-probs (raw, T=1), on the tokens that engine sampled
+    pool/<name>/trajectories  trajectories of the step's batch from that pool
+
+Which learner log-probs: the learner's params when the batch is consumed, i.e. version v, on
+the tokens generated with version v (token staleness 0). On those the two sides run the same
+weights, so the mismatch is numerics only (kernels, dtypes, the relay's rollout_dtype copy);
+tokens of older versions are left out, as their gap also holds the policy's change since. In
+sync mode every token counts; in the asynchronous modes only the fresh share does (its count is
+`num_tokens`, and every value is 0 when there is none). No extra recompute at gen_version is
+needed: the learner holds only its newest params.
+
+Keys are fixed per run: one set for every engine kind and pool of `rollout.pools`.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def labels(cfg: Any) -> dict[str, tuple[str, str]]:
+    """rollout id -> (pool name, engine) of every rollout of the run."""
+    return {rid: (p.name, p.engine) for rid, p in cfg.rollout.assignments()}
+
+
+def row_labels(cfg: Any, rollout_id: str, table: dict | None = None) -> dict[str, str | None]:
+    """The `pool` / `engine` columns of one trajectory's log row."""
+    pool, engine = (table or labels(cfg)).get(rollout_id, (None, None))
+    return {"pool": pool, "engine": engine}
+
+
+def step_metrics(cfg: Any, batch: dict, learner_logp: np.ndarray, rollout_ids: Sequence[str]) -> dict[str, float]:
+    """The module docstring's metrics for one assembled batch (rows in `rollout_ids` order)."""
+    from laminar_jax.rl.mismatch import mismatch_metrics
+
+    table = labels(cfg)
+    engines = np.asarray([table.get(r, (None, None))[1] for r in rollout_ids], object)
+    pools = [table.get(r, (None, None))[0] for r in rollout_ids]
+    fresh = (batch["response_mask"] > 0) & (batch["staleness"] == 0)
+    out: dict[str, float] = {}
+    for kind in sorted({e for _, e in table.values()}):
+        mask = fresh & (engines == kind)[:, None]
+        m = mismatch_metrics(np.asarray(learner_logp, np.float32), batch["behaviour_logp"], mask.astype(np.float32))
+        out.update({f"mismatch/{kind}/{k}": float(v) for k, v in m.items()})
+    for name in sorted({p for p, _ in table.values()}):
+        out[f"pool/{name}/trajectories"] = float(sum(p == name for p in pools))
+    return out

@@ -1,0 +1,43 @@
+"""Per-engine metrics of a learner step (`runtime.engine_metrics`) against closed forms, and the
+pool / engine resolution they read (`RolloutConfig.assignments`)."""
+import numpy as np
+
+from laminar_jax.config import load_config
+from laminar_jax.runtime import engine_metrics
+
+POOLS = "rollout.pools=[{name: v, engine: vllm, num_rollouts: 1}, {name: j, engine: jax, num_rollouts: 2}]"
+
+
+def _cfg(*extra):
+    return load_config("configs/default.yaml", ["rollout.num_rollouts=3", POOLS, *extra])
+
+
+def test_mismatch_is_per_engine_on_fresh_tokens_only():
+    cfg = _cfg()
+    assert engine_metrics.labels(cfg) == {"rollout-0": ("v", "vllm"), "rollout-1": ("j", "jax"),
+                                          "rollout-2": ("j", "jax")}
+    # rows: vLLM fresh, JAX fresh, JAX stale (staleness 1, left out)
+    mask = np.array([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 1, 1]], np.float32)
+    staleness = np.array([[0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 1, 1]], np.float32)
+    behaviour = np.zeros((3, 4), np.float32)
+    learner = np.array([[9, 0.1, -0.3, 9], [9, 0.2, 0.2, -0.2], [9, 5, 5, 5]], np.float32)
+    batch = {"response_mask": mask, "staleness": staleness, "behaviour_logp": behaviour}
+    m = engine_metrics.step_metrics(cfg, batch, learner, ["rollout-0", "rollout-1", "rollout-2"])
+    d_v, d_j = np.array([0.1, -0.3]), np.array([0.2, 0.2, -0.2])
+    for kind, d in (("vllm", d_v), ("jax", d_j)):
+        assert m[f"mismatch/{kind}/num_tokens"] == d.size
+        np.testing.assert_allclose(m[f"mismatch/{kind}/abs_mean"], np.abs(d).mean(), rtol=1e-6)
+        np.testing.assert_allclose(m[f"mismatch/{kind}/abs_max"], np.abs(d).max(), rtol=1e-6)
+        np.testing.assert_allclose(m[f"mismatch/{kind}/k3"], np.mean(np.exp(d) - 1 - d), rtol=1e-5)
+    assert m["pool/v/trajectories"] == 1 and m["pool/j/trajectories"] == 2
+
+
+def test_short_form_is_one_pool_and_pool_fields_default_to_it():
+    short = load_config("configs/default.yaml", ["rollout.num_rollouts=2", "rollout.engine=vllm"])
+    assert [(rid, p.name, p.engine) for rid, p in short.rollout.assignments()] == [
+        ("rollout-0", "pool0", "vllm"), ("rollout-1", "pool0", "vllm")]
+    cfg = _cfg("rollout.kv_budget_tokens=512", "rollout.max_concurrency=8")
+    pools = cfg.rollout.pools_resolved()
+    assert [(p.kv_budget_tokens, p.max_concurrency) for p in pools] == [(512, 8), (512, 8)]
+    one = cfg.rollout.for_pool(pools[0])
+    assert (one.engine, one.num_rollouts, one.pools, one.kv_budget_tokens) == ("vllm", 1, (), 512)
