@@ -1,6 +1,7 @@
 """Starting and stopping the actors of one run (DESIGN.md, "Processes"): data, learner, relays,
 rollouts, manager. `Fleet.start(cfg, run_dir, model_dir)` returns the handles; the driver runs the
-loop. Every actor takes 0 logical CPUs; rollouts are spread over the nodes (one relay per node)."""
+loop. Every actor takes 0 logical CPUs; rollouts are spread over the nodes (one relay per node).
+The manager replaces dead rollouts through `RolloutSpawner`, so `workers` is refreshed from it."""
 from __future__ import annotations
 
 import uuid
@@ -19,6 +20,33 @@ from laminar_jax.runtime.data_actor import DataActor
 from laminar_jax.runtime.learner_actor import Learner
 from laminar_jax.runtime.weights_source import RelaySource, StoreSource
 from rollout.worker import RolloutWorker
+
+
+@dataclass
+class RolloutSpawner:
+    """Creates rollout `index` (restart 0 at start, then 1, 2, ... for its replacements): what the
+    manager calls to replace a dead rollout. Picklable: it travels to the manager actor."""
+
+    cfg: Any
+    data: Any
+    source: Any
+    model_dir: str | None
+    tokenizer: Any
+    scorer: Any
+    kind: str | None
+    accelerators: float
+    nodes: list
+    latency_model: Any = None
+
+    def __call__(self, index: int, restart: int = 0) -> tuple[str, Any]:
+        rid = f"rollout-{index}" if restart == 0 else f"rollout-{index}.r{restart}"
+        factory = engines.EngineFactory(self.cfg, self.model_dir, seed=self.cfg.run.seed * 1000 + index + 7919 * restart,
+                                        latency_model=self.latency_model)
+        opts = cluster.actor_options(self.kind, self.accelerators, node=self.nodes[index % len(self.nodes)],
+                                     max_concurrency=8)
+        handle = ray.remote(RolloutWorker).options(**opts).remote(
+            rid, self.cfg, self.data, self.source, factory, self.tokenizer, self.scorer)
+        return rid, handle
 
 
 @dataclass
@@ -59,33 +87,46 @@ class Fleet:
         relays, prefix = None, f"laminar-relay-{cfg.run.name}-{uuid.uuid4().hex[:6]}"
         if cfg.relay.enabled:
             from laminar_jax.weights.relay_group import RelayGroup
-            relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=cfg.relay.num_chunks or None,
-                                t_byte=cfg.relay.t_byte_s, t_start=cfg.relay.t_start_s, prefix=prefix,
-                                transport=cfg.relay.transport, stream_timeout_s=cfg.relay.stream_timeout_s,
-                                shared_memory=cfg.relay.shared_memory,
-                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m))],
+            r = cfg.relay
+            relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=r.num_chunks or None,
+                                t_byte=r.t_byte_s, t_start=r.t_start_s, prefix=prefix,
+                                transport=r.transport, stream_timeout_s=r.stream_timeout_s,
+                                shared_memory=r.shared_memory, idle_timeout_s=r.idle_timeout_s,
+                                max_connections=r.max_connections, max_restarts=r.max_restarts,
+                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m), timeout=60)],
                                 events=events, runtime_env={"env_vars": {
                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})
+            relays.start_monitor(r.check_interval_s)
         ray.get(learner.publish.remote())
+        # with relays, a rollout reads the store while its relay is dead or restarting
+        source = (RelaySource(prefix, fallback=StoreSource(store, mcfg)) if relays is not None
+                  else StoreSource(store, mcfg))
+        spawn = RolloutSpawner(cfg, data, source, model_dir, tokenizer, RewardScorer(reward), kind,
+                               need["rollout"], nodes, latency_model)
         workers, loops = {}, {}
         for i in range(cfg.rollout.num_rollouts):
-            rid = f"rollout-{i}"
-            source = RelaySource(prefix) if relays is not None else StoreSource(store, mcfg)
-            factory = engines.EngineFactory(cfg, model_dir, seed=cfg.run.seed * 1000 + i, latency_model=latency_model)
-            opts = cluster.actor_options(kind, need["rollout"], node=nodes[i % len(nodes)], max_concurrency=8)
-            workers[rid] = ray.remote(RolloutWorker).options(**opts).remote(
-                rid, cfg, data, source, factory, tokenizer, RewardScorer(reward))
+            rid, workers[rid] = spawn(i)
             loops[rid] = workers[rid].run.remote()
-        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(cfg, workers, data)
+        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(
+            cfg, workers, data, spawn=spawn, loops=loops)
         fleet = cls(data, learner, manager, workers, loops, relays, bad_rows=list(dataset.bad_rows))
         fleet.manager_loop = manager.run.remote()
         return fleet
 
+    def refresh(self) -> dict[str, Any]:
+        """`workers` as the manager sees them now (dead ones gone, replacements in)."""
+        try:
+            self.workers = ray.get(self.manager.handles.remote(), timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        return self.workers
+
     def live_stats(self) -> list[dict]:
         """Stats of the rollouts the manager still counts as live."""
-        live = ray.get(self.manager.report.remote())["live"]
+        live = ray.get(self.manager.report.remote(), timeout=60)["live"]
+        self.refresh()
         out = []
-        for rid in live:
+        for rid in [r for r in live if r in self.workers]:
             try:
                 out.append(ray.get(self.workers[rid].stats.remote(), timeout=30))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -107,8 +148,13 @@ class Fleet:
 
     def stop(self) -> list[dict]:
         """Stops loops and actors; returns the last events."""
-        ray.get(self.manager.stop.remote())
-        ray.get(self.manager_loop)
+        self.refresh()
+        try:
+            self.loops.update(ray.get(self.manager.loop_refs.remote(), timeout=60))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        ray.get(self.manager.stop.remote(), timeout=60)
+        ray.get(self.manager_loop, timeout=120)
         for w in self.workers.values():
             try:
                 w.stop.remote()
@@ -120,7 +166,7 @@ class Fleet:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
         events = self.drain_events()
-        events += ray.get(self.learner.close.remote())
+        events += ray.get(self.learner.close.remote(), timeout=300)
         if self.relays is not None:
             self.relays.shutdown()
         for handle in [self.learner, self.manager, self.data, *self.workers.values()]:

@@ -61,6 +61,7 @@ class Learner:
         self.store = WeightStore.local(root)
         self.publisher = Publisher(self.store, dtype=cfg.model.rollout_dtype, events=self._event)
         self._last_end = time.time()
+        self._waiting_since: float | None = None   # the driver's liveness check reads it
 
     # ------------------------------------------------------------------ plumbing
     def _event(self, kind: str, **fields: Any) -> None:
@@ -76,6 +77,11 @@ class Learner:
     def current_version(self) -> int:
         return self.version
 
+    def waiting(self) -> float | None:
+        """Seconds the current step has waited for groups so far; None while not waiting."""
+        since = self._waiting_since
+        return None if since is None else time.time() - since
+
     def publish(self) -> int:
         self.publisher.publish(self.version, self.state.params)
         return self.version
@@ -86,11 +92,12 @@ class Learner:
     # ------------------------------------------------------------------ one iteration
     def _collect(self, num_groups: int) -> tuple[list, float]:
         """Wait for `num_groups` whole groups; returns them and the seconds spent waiting."""
-        start = time.time()
+        start = self._waiting_since = time.time()
         batch_index = self.version if modes.uses_global_batches(self.mode) else None
         while True:
-            groups = ray.get(self.data.sample.remote(num_groups, self.version, batch_index))
+            groups = ray.get(self.data.sample.remote(num_groups, self.version, batch_index), timeout=300)
             if groups:
+                self._waiting_since = None
                 return groups, time.time() - start
             if time.time() - start > STALL_TIMEOUT_S:
                 raise RuntimeError(f"learner: no {num_groups} groups for version {self.version} after "
