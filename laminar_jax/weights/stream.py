@@ -174,7 +174,7 @@ class StreamServer:
         self._sink, self._timeout_s, self._token = sink, timeout_s, token.encode()
         self._idle_timeout_s, self._max_connections = idle_timeout_s, max_connections
         self._refused, self._refused_logged = 0, 0.0
-        self._sock = socket.create_server((host, 0), backlog=16)
+        self._sock = socket.create_server((host, 0), backlog=128)
         self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -217,6 +217,11 @@ class StreamServer:
             self._refused_logged = now
             self._sink.log("stream_refused", peer=f"{peer[0]}:{peer[1]}", refused=self._refused,
                            max_connections=self._max_connections)
+
+    @property
+    def refused(self) -> int:
+        """Connections closed on accept because max_connections were being served."""
+        return self._refused
 
     def connections(self) -> int:
         """Connections being served now."""
