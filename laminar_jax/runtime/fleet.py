@@ -153,8 +153,11 @@ class Fleet:
             self.loops.update(ray.get(self.manager.loop_refs.remote(), timeout=60))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass
-        ray.get(self.manager.stop.remote(), timeout=60)
-        ray.get(self.manager_loop, timeout=120)
+        try:
+            ray.get(self.manager.stop.remote(), timeout=60)
+            ray.get(self.manager_loop, timeout=120)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
         for w in self.workers.values():
             try:
                 w.stop.remote()
@@ -166,7 +169,10 @@ class Fleet:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
         events = self.drain_events()
-        events += ray.get(self.learner.close.remote(), timeout=300)
+        try:
+            events += ray.get(self.learner.close.remote(), timeout=300)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):   # a killed learner
+            pass
         if self.relays is not None:
             self.relays.shutdown()
         for handle in [self.learner, self.manager, self.data, *self.workers.values()]:

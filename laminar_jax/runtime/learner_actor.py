@@ -66,7 +66,7 @@ class Learner:
     # ------------------------------------------------------------------ plumbing
     def _event(self, kind: str, **fields: Any) -> None:
         with self._lock:
-            self._events.append({"kind": kind, **fields})
+            self._events.append({"kind": kind, "t": time.time(), **fields})   # source time (chaos timings)
 
     def weight_store(self):
         return self.store

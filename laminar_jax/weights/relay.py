@@ -142,6 +142,12 @@ class RelayWorker:
     def ping(self) -> str:
         return self.name
 
+    def watch(self, seconds: float) -> str:
+        """Returns after `seconds`: the group's monitor keeps one such call open per relay, so
+        the relay's death fails it at once (`RelayGroup.start_monitor`)."""
+        time.sleep(min(float(seconds), 300.0))
+        return self.name
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 

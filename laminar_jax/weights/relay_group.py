@@ -50,6 +50,7 @@ DEFAULT_PREFIX = "laminar-relay"
 # an actor call and a pull (~2 ms), so chunks there stay large.
 MAX_CHUNK_BYTES = {"tcp": 16 * 2**20, "object_store": 64 * 2**20}
 CALL_TIMEOUT_S = 60.0
+WATCH_S = 30.0          # length of one relay `watch` call of the monitor (re-armed when it returns)
 LOOPBACK = "127.0.0.1"
 
 
@@ -276,9 +277,23 @@ class RelayGroup:
         return dead
 
     def start_monitor(self, interval_s: float) -> None:
-        """`check()` every interval_s on a daemon thread until `shutdown()`."""
+        """`check()` on a daemon thread until `shutdown()`: every interval_s, and at once when a
+        relay dies -- each relay holds one `watch` call, whose ref fails the moment its process
+        goes, so a dead master is replaced in about the time Ray takes to notice, not a period."""
         def loop() -> None:
-            while not self._monitor_stop.wait(interval_s):
+            watches: dict[str, Any] = {}
+            while not self._monitor_stop.is_set():
+                with self._lock:
+                    for node in self.order:
+                        if node not in watches:
+                            watches[node] = self.relays[node].watch.remote(WATCH_S)
+                ready, _ = ray.wait(list(watches.values()), num_returns=1, timeout=interval_s)
+                if self._monitor_stop.is_set():
+                    return
+                with self._lock:
+                    for node, ref in list(watches.items()):
+                        if ref in ready or node not in self.relays:
+                            del watches[node]
                 try:
                     self.check()
                 except Exception as e:  # noqa: BLE001 - the next round tries again

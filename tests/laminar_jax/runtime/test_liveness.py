@@ -96,3 +96,19 @@ def test_unreachable_ray_address_is_a_named_error_within_15_s():
                           "data.task=arithmetic"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     assert out.returncode != 0
     assert "run.ray_address='127.0.0.1:1': no Ray cluster answers there" in out.stderr
+
+
+def test_event_limiter_writes_a_burst_per_kind_and_source_then_one_count():
+    from laminar_jax.runtime.driver import EventLimiter
+    now, out = [0.0], []
+    lim = EventLimiter(lambda kind, **f: out.append((kind, f)), burst=3, window_s=10.0, clock=lambda: now[0])
+    for i in range(1000):                       # every prompt rejected, as fast as it can
+        lim("group_rejected", rollout="r0", group_id=f"e0-{i}")
+    lim("group_rejected", rollout="r1", group_id="x")   # another source has its own budget
+    now[0] = 11.0
+    lim("group_rejected", rollout="r0", group_id="late")
+    lim.flush()
+    kinds = [k for k, _ in out]
+    assert kinds.count("group_rejected") == 3 + 1 + 1
+    (sup,) = [f for k, f in out if k == "events_suppressed"]
+    assert sup == {"event": "group_rejected", "source": "r0", "count": 997, "window_s": 10.0}
