@@ -178,8 +178,11 @@ class RelayGroup:
         ray.get(self.master.configure_master.remote(role), timeout=CALL_TIMEOUT_S)
 
     def _make_master(self) -> None:
-        """Makes the chain's head the master and tells the publisher and callbacks."""
+        """Makes the chain's head the master and tells the publisher and callbacks; the next
+        relay in line warms up as standby master (`RelayWorker.prepare_standby`)."""
         self._configure_master()
+        if len(self.order) > 1:
+            self.relays[self.order[1]].prepare_standby.remote()
         master = self.master
         if self._publisher is not None:
             self._publisher.set_master(master)
