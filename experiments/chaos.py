@@ -159,12 +159,17 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
             rec = min(got) - f["t"] if got else None
             note = "relay restarted" if any(e.get("relay") == f["target"] for e in by("relay_restarted")) else "not restarted"
         elif f["kind"] == "master":
-            later = sorted(v for v in written if written[v] > f["t"])
-            if later and later[0] in broadcast:
-                v = later[0]
-                fault_versions.add(v)
-                rec = max(received[v]) - f["t"]
-                note = f"version {v}: {broadcast[v]:.3f} s publish -> every relay"
+            # the next version reaches every rollout that pulls after the kill
+            after = [e for e in by("pull") if t(e) > f["t"] and e["version"] > f["version"]]
+            first: dict[str, float] = {}
+            for e in sorted(after, key=t):
+                first.setdefault(e["rollout"], t(e))
+            fault_versions.update(v for v in written if written[v] > f["t"] - 1)
+            if first:
+                rec = max(first.values()) - f["t"]
+                new_master = [e["new"] for e in by("master_failover") if e.get("old") == f["target"]]
+                note = (f"master -> {new_master[0][:8] if new_master else '?'}; first pull of a newer "
+                        f"version on {len(first)} rollouts")
         elif f["kind"] == "learner" and resumed_at is not None:
             rec = resumed_at - f["t"]
             note = "resumed from the last checkpoint"

@@ -93,7 +93,7 @@ class Fleet:
                                 transport=r.transport, stream_timeout_s=r.stream_timeout_s,
                                 shared_memory=r.shared_memory, idle_timeout_s=r.idle_timeout_s,
                                 max_connections=r.max_connections, max_restarts=r.max_restarts,
-                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m), timeout=60)],
+                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m), timeout=300)],
                                 events=events, runtime_env={"env_vars": {
                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})
             relays.start_monitor(r.check_interval_s)
@@ -116,14 +116,14 @@ class Fleet:
     def refresh(self) -> dict[str, Any]:
         """`workers` as the manager sees them now (dead ones gone, replacements in)."""
         try:
-            self.workers = ray.get(self.manager.handles.remote(), timeout=60)
+            self.workers = ray.get(self.manager.handles.remote(), timeout=300)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass
         return self.workers
 
     def live_stats(self) -> list[dict]:
         """Stats of the rollouts the manager still counts as live."""
-        live = ray.get(self.manager.report.remote(), timeout=60)["live"]
+        live = ray.get(self.manager.report.remote(), timeout=300)["live"]
         self.refresh()
         out = []
         for rid in [r for r in live if r in self.workers]:

@@ -36,6 +36,7 @@ class RelaySource(WeightSource):
         self._retry_at = 0.0
         self.via = "relay"          # where the last answer came from: "relay" or "store"
         self.fallbacks = 0
+        self.last_error: str | None = None
 
     def node(self) -> str | None:
         if self.via == "store" and self.fallback is not None:
@@ -58,12 +59,14 @@ class RelaySource(WeightSource):
             if self._relay is None:
                 self._relay, self._node = local_relay(self.prefix, self.namespace), None
             got = pull(self._relay, call_timeout_s=self.call_timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError):
-            # dead, restarting, or not registered yet (get_actor's ValueError)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError, OSError) as e:
+            # dead, restarting, or not registered yet (get_actor's ValueError); OSError: the
+            # shared buffer of a relay process that just died cannot be mapped any more
             if self.fallback is None:
                 raise
             self._relay, self._retry_at = None, time.time() + self.retry_s
             self.fallbacks += 1
+            self.last_error = f"{type(e).__name__}: {e}"
             return self._from_store(version)
         self.via = "relay"
         if got is None or got[0] <= version:

@@ -49,7 +49,7 @@ DEFAULT_PREFIX = "laminar-relay"
 # cheap and let a relay check chunk k while it reads chunk k+1; an object-store chunk costs a put,
 # an actor call and a pull (~2 ms), so chunks there stay large.
 MAX_CHUNK_BYTES = {"tcp": 16 * 2**20, "object_store": 64 * 2**20}
-CALL_TIMEOUT_S = 60.0
+CALL_TIMEOUT_S = 300.0   # generous: a relay process starting on a loaded machine takes a minute
 WATCH_S = 30.0          # length of one relay `watch` call of the monitor (re-armed when it returns)
 LOOPBACK = "127.0.0.1"
 
