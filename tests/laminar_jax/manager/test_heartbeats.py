@@ -41,7 +41,7 @@ class SlowRollout:
 def local_ray():
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)   # never join another process's cluster
     yield
     ray.shutdown()
 
@@ -59,7 +59,10 @@ def _rounds(m, seconds):
 
 
 def _actor(rid, **kw):
-    return ray.remote(SlowRollout).options(num_cpus=0, max_concurrency=2).remote(rid, **kw)
+    """A started actor (its process is up), so the timings below are the heartbeat's alone."""
+    handle = ray.remote(SlowRollout).options(num_cpus=0, max_concurrency=2).remote(rid, **kw)
+    ray.get(handle.pid.remote(), timeout=300)
+    return handle
 
 
 @pytest.mark.parametrize("timeout_s, dead", [(0.5, True), (8.0, False)])
