@@ -64,14 +64,26 @@ class Watchdog:
     def __init__(self, cfg: Any, fleet: Any, *, call_timeout_s: float = 30.0):
         self.cfg, self.fleet, self.call_timeout_s = cfg, fleet, call_timeout_s
         self._exhausted_since: float | None = None
+        self._unanswered_since: float | None = None
 
     def check(self, step: int) -> None:
         import ray
 
         f, t = self.fleet, self.call_timeout_s
-        data = ray.get(f.data.liveness.remote(), timeout=t)
-        manager = ray.get(f.manager.report.remote(), timeout=t)
-        waited = ray.get(f.learner.waiting.remote(), timeout=t)
+        try:
+            data = ray.get(f.data.liveness.remote(), timeout=t)
+            manager = ray.get(f.manager.report.remote(), timeout=t)
+            waited = ray.get(f.learner.waiting.remote(), timeout=t)
+        except ray.exceptions.GetTimeoutError:
+            # a busy actor (start-up on a loaded machine): no verdict now, unless it lasts
+            now = time.time()
+            self._unanswered_since = self._unanswered_since or now
+            limit = self.cfg.manager.liveness_timeout_s + self.cfg.manager.startup_grace_s
+            if now - self._unanswered_since > limit:
+                raise LivenessError(f"laminar train stopped: the data actor, manager or learner has not "
+                                    f"answered for {now - self._unanswered_since:.0f} s") from None
+            return
+        self._unanswered_since = None
         drained = data["exhausted"] and data["in_flight"] == 0 and data["requeued"] == 0
         now = time.time()
         if not drained:
