@@ -334,11 +334,16 @@ class RelayConfig:
     transport: Literal["tcp", "object_store"] = "tcp"
     stream_timeout_s: float = 60.0
     shared_memory: bool = True
+    idle_timeout_s: float = 300.0
+    max_connections: int = 64
+    check_interval_s: float = 1.0
+    max_restarts: int = 3
 
     def __post_init__(self):
-        _at_least(self, 0, "num_chunks")
+        _at_least(self, 0, "num_chunks", "max_restarts")
+        _at_least(self, 1, "max_connections")
         _non_empty(self, "store_dir")
-        _positive(self, "t_byte_s", "stream_timeout_s")
+        _positive(self, "t_byte_s", "stream_timeout_s", "idle_timeout_s", "check_interval_s")
         _non_negative(self, "t_start_s")
 
 
@@ -350,7 +355,12 @@ class ManagerConfig:
     (Algorithm 1), checked every repack_interval_s; c_max caps a destination's KV use,
     roofline_batch is the batch at which decode stops being memory-bound (capped at
     rollout.max_concurrency, the most one engine runs at once). max_staleness bounds gen_version lag in "stream"/"partial".
-    A worker silent for heartbeat_timeout_s is declared dead.
+    A worker silent for heartbeat_timeout_s is declared dead (startup_grace_s before it first
+    reports weights: its first compile), and replaced by a new one, at most max_restarts times
+    in the run. liveness_timeout_s: the run stops with an error when the learner has waited this
+    long while no rollout delivered, rejected or streamed anything (no rollout alive and none
+    restartable, prompts exhausted, or every prompt rejected stop it at once). A consumed
+    trajectory staler than the mode's bound (laminar: max_staleness) is a warning.
     """
 
     mode: Mode = "laminar"  # the modes of manager.modes.MODE_RULES
@@ -361,9 +371,14 @@ class ManagerConfig:
     max_staleness: int = 4
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 30.0
+    startup_grace_s: float = 600.0
+    max_restarts: int = 3
+    liveness_timeout_s: float = 60.0
 
     def __post_init__(self):
-        _positive(self, "repack_interval_s", "heartbeat_s", "heartbeat_timeout_s")
+        _positive(self, "repack_interval_s", "heartbeat_s", "heartbeat_timeout_s", "startup_grace_s",
+                  "liveness_timeout_s")
+        _at_least(self, 0, "max_restarts")
         _require(0 < self.c_max <= 1, "c_max", self.c_max, "0 < c_max <= 1")
         _at_least(self, 1, "roofline_batch")
         _at_least(self, 0, "max_staleness")

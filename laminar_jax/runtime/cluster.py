@@ -1,21 +1,36 @@
 """Ray for a run: an embedded local cluster on loopback, or an existing one (RAY_ADDRESS).
 
-Embedded: token auth off (`RAY_AUTH_MODE=disabled`), every address on 127.0.0.1
-(`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`), no dashboard, and logical CPUs: actors ask for 0 or
-fractional CPUs, so a 2-core machine runs learner, rollouts, relays and data actors at once
-(environment.md, Ray pitfalls 5-8). An already initialised Ray (a test session) is reused.
+Embedded: token auth off (`RAY_AUTH_MODE=disabled`), every server on 127.0.0.1, no dashboard,
+and logical CPUs: actors ask for 0 or fractional CPUs, so a 2-core machine runs learner, rollouts,
+relays and data actors at once (environment.md, Ray pitfalls 5-8). An already initialised Ray (a
+test session) is reused.
+
+Loopback, and why it takes two settings: Ray 2.60 binds GCS, raylet, object manager, workers and
+agents to the node IP, and takes the node IP from `services.get_node_ip_address`, which answers
+127.0.0.1 only when `ray_constants.ENABLE_RAY_CLUSTER` is false. That constant is read from
+`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` when `ray` is imported -- before this module runs -- so the
+environment variable alone reaches only the processes Ray starts (raylet, agents, workers); this
+process's copy of the constant is set too. `_node_ip_address="127.0.0.1"` then resolves to
+loopback (Ray maps a loopback address to `get_node_ip_address()`).
+
+Joining a cluster (`RAY_ADDRESS` / `run.ray_address`): a "host:port" that nothing answers is a
+`ClusterError` within CONNECT_TIMEOUT_S (Ray itself retries for minutes).
 """
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 
 from laminar_jax.config_loader import ConfigError
 from laminar_jax.runtime import compile_cache
 
 LOGICAL_CPUS = 16
+LOOPBACK = "127.0.0.1"
+CONNECT_TIMEOUT_S = 5.0
 
 
 class ClusterError(ConfigError):
@@ -26,17 +41,37 @@ def start(cfg: Any) -> bool:
     """Connects to or starts Ray; True when this call started it (so the run shuts it down)."""
     if ray.is_initialized():
         return False
-    address = os.environ.get("RAY_ADDRESS") or cfg.run.ray_address
+    env_address = os.environ.get("RAY_ADDRESS")
+    address = env_address or cfg.run.ray_address
     if address:
+        check_reachable(address, key="RAY_ADDRESS" if env_address else "run.ray_address")
         ray.init(address=address, log_to_driver=True,
                  runtime_env={"env_vars": compile_cache.env(cfg.run.compile_cache)})
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"   # the processes Ray starts
+    ray_constants.ENABLE_RAY_CLUSTER = False                # this one (module docstring)
     ray.init(address="local", num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True,
+             _node_ip_address=LOOPBACK,
              runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
                                        **compile_cache.env(cfg.run.compile_cache)}})
     return True
+
+
+def check_reachable(address: str, *, key: str = "run.ray_address",
+                    timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """ClusterError unless a TCP connect to a "host:port" address succeeds within timeout_s.
+    "auto" and "ray://" (Ray's own lookup / client) are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterError(f"{key}={address!r}: expected 'host:port', 'auto' or 'ray://host:port'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ClusterError(f"{key}={address!r}: no Ray cluster answers there ({e}); start it "
+                           f"(`ray start --head`) or unset {key} to run an embedded one") from None
 
 
 def accelerator_kind() -> str | None:

@@ -102,6 +102,7 @@ class DataActor:
         self.partials = PartialPool()
         self.learner_version = 0
         self.rejected: list[str] = []
+        self.last_progress = time.time()   # a delivery, rejection or streamed partial (liveness)
 
     # ------------------------------------------------------------------ rollouts
     def issue(self, n: int, rollout_id: str, weight_version: int) -> list[PromptGroup]:
@@ -120,11 +121,14 @@ class DataActor:
 
     def update_partials(self, partials: Sequence[PartialTrajectory]) -> int:
         live = [p for p in partials if self.pool.status(p.group_id) in ("in_flight", "requeued")]
+        if live:
+            self.last_progress = time.time()
         return self.partials.update(live)
 
     def deliver(self, trajectories: Sequence[Trajectory]) -> bool:
         """A finished group: into the buffer, completed in the ledger, partials forgotten.
         False = buffer full (back-pressure: the rollout keeps the group and retries)."""
+        self.last_progress = time.time()   # back-pressured or not, its producer is alive
         if not self.buffer.put(trajectories):
             return False
         gid = trajectories[0].group_id
@@ -138,6 +142,7 @@ class DataActor:
         self.pool.complete(group_id)
         self.partials.drop_groups(group_id)
         self.rejected.append(f"{group_id}: {reason}")
+        self.last_progress = time.time()
 
     # ------------------------------------------------------------------ manager
     def reassign(self, group_ids: Sequence[str], rollout_id: str) -> None:
@@ -193,6 +198,13 @@ class DataActor:
                    duplicates=buffer["duplicates"], reissues=pool["reissues"],
                    partials=len(self.partials), position=pool["epoch"] * pool["num_prompts"] + pool["index"])
         return out
+
+    def liveness(self) -> dict:
+        """What the driver's liveness check needs (`runtime.liveness`): the ledger, whether the
+        pool is exhausted, seconds since the last delivery / rejection / streamed partial."""
+        return dict(self.accounting(), exhausted=self.pool.exhausted(), num_prompts=self.pool.num_prompts,
+                    max_epochs=self.pool.max_epochs, idle_s=time.time() - self.last_progress,
+                    first_rejection=self.rejected[0] if self.rejected else None)
 
     def partial_stats(self) -> dict:
         return self.partials.stats()

@@ -14,6 +14,11 @@ supervised warm-up of `laminar sft` (real post-training starts from an SFT model
 run folder is resumed from its latest committed checkpoint, or refused, per `run.resume`
 (`run_folder.plan`, decided before Ray starts); a resumed run drops the rows the folder holds
 from the resumed step on, so every step and trajectory is logged once.
+While the learner works on a step the driver checks liveness about once a second
+(`runtime.liveness`): a run that cannot progress stops with a `LivenessError` saying why. Events
+are rate-limited per kind and source (`EventLimiter`): a fault that repeats per group cannot
+flood the run folder. A consumed trajectory staler than the mode's bound is a warning event and
+a console line.
 """
 from __future__ import annotations
 
@@ -26,9 +31,14 @@ import ray
 
 from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
+from laminar_jax.manager import modes
 from laminar_jax.rewards.health import RewardWatch
 from laminar_jax.runtime import breakdown, cluster, compile_cache, engines, progress, run_folder
 from laminar_jax.runtime.fleet import Fleet
+from laminar_jax.runtime.events import EventLimiter
+from laminar_jax.runtime.liveness import Watchdog
+
+POLL_S = 1.0            # liveness check period while a step runs
 
 
 def warm_up(cfg: Any, run_dir: str) -> str:
@@ -46,12 +56,33 @@ def warm_up(cfg: Any, run_dir: str) -> str:
     return model_dir
 
 
-def _log_events(writer: RunWriter, events: list[dict]) -> None:
+def _log_events(log: Callable[..., None], events: list[dict]) -> None:
     for e in events:
         e = dict(e)
         kind = e.pop("kind")
         e.pop("time", None)
-        writer.log_event(kind, **e)
+        log(kind, **e)
+
+
+def staleness_warning(cfg: Any, step: int, metrics: dict) -> dict | None:
+    """The warning's fields when a consumed trajectory is staler than the mode's bound (laminar,
+    unbounded by design: manager.max_staleness), else None."""
+    bound = modes.staleness_bound(cfg.manager.mode, max_staleness=cfg.manager.max_staleness)
+    bound = cfg.manager.max_staleness if bound is None else bound
+    worst = metrics.get("staleness_max")
+    if worst is None or worst <= bound:
+        return None
+    return dict(step=step, staleness_max=worst, staleness_mean=metrics.get("staleness_mean"), bound=bound,
+                mode=cfg.manager.mode)
+
+
+def _wait_step(pending: Any, watchdog: Watchdog, step: int) -> dict:
+    """The step's result; meanwhile the liveness check runs every POLL_S (LivenessError)."""
+    while True:
+        ready, _ = ray.wait([pending], timeout=POLL_S)
+        if ready:
+            return ray.get(pending)
+        watchdog.check(step)
 
 
 def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
@@ -98,7 +129,8 @@ _SUMMARY_KEYS = ("reward_mean", "exact_rate", "staleness_mean", "staleness_max",
 def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
            stores) -> dict:
     t0 = time.time()
-    events = lambda kind, **f: writer.log_event(kind, **{k: v for k, v in f.items() if k != "time"})  # noqa: E731
+    limit = EventLimiter(writer.log_event)
+    events = lambda kind, **f: limit(kind, **{k: v for k, v in f.items() if k != "time"})  # noqa: E731
     fleet = Fleet.start(cfg, run_dir, model_dir, events=events, latency_model=latency_model,
                         min_update_s=min_update_s, resume=plan.resume, on_phase=clock.mark)
     for bad in fleet.bad_rows:
@@ -117,12 +149,13 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
         f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, "
         f"steps {start}..{cfg.run.steps - 1}")
     say(f"  model {model_dir or cfg.model.preset}\n  run folder {run_dir}")
-    meter, rows = progress.RolloutMeter(), []
+    meter, rows, stale_warnings = progress.RolloutMeter(), [], 0
+    watchdog = Watchdog(cfg, fleet)
     watch = RewardWatch(max_error_rate=cfg.reward.max_error_rate, error_window=cfg.reward.error_window)
     pending = fleet.learner.step.remote() if start < cfg.run.steps else None
     try:
         for step in range(start, cfg.run.steps):
-            out = ray.get(pending)
+            out = _wait_step(pending, watchdog, step)
             if step == start:
                 clock.mark("first_step", f"first RL step done (v{out['version']}); training")
             fleet.manager.kick.remote()
@@ -138,16 +171,24 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             m.update({f"kv_use/{st['id']}": float(st["kv_used"]) for st in stats}, wall_time=time.time())
             acc = ray.get(fleet.data.accounting.remote())
             m.update({f"ledger/{k}": v for k, v in acc.items()})
-            events = out["events"] + fleet.drain_events(check_relays=step % 10 == 0)
+            # relays are checked by their monitor thread (relay.check_interval_s)
+            step_events = out["events"] + fleet.drain_events(check_relays=False)
             m.update(breakdown.relay_times(fleet.relay_events))
             m.update(breakdown.overhead(m))
             writer.log_step(step, m)
             writer.log_trajectories(out["trajectories"], step=step)
-            _log_events(writer, events)
+            _log_events(events, step_events)
             if out.get("checkpoint_started"):
                 # rows up to this step on disk before the checkpoint commits: a crash after the
                 # commit must not resume past steps whose rows were still in memory
                 writer.flush()
+            warn = staleness_warning(cfg, step, m)
+            if warn is not None:
+                events("staleness_warning", **warn)
+                if stale_warnings % 10 == 0:   # the console line at most every 10th such step
+                    say(f"warning: step {step}: staleness_max {warn['staleness_max']:.0f} above the "
+                        f"{cfg.manager.mode} bound {warn['bound']} (manager.max_staleness)")
+                stale_warnings += 1
             rows.append({k: v for k, v in m.items() if k in _SUMMARY_KEYS or k.startswith("time/")})
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
                 say(progress.step_line(step, cfg.run.steps, m))
@@ -156,7 +197,8 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
         accounting = ray.get(fleet.data.accounting.remote())
         counters = ray.get(fleet.manager.report.remote())["counters"]
     finally:
-        _log_events(writer, fleet.stop())
+        _log_events(events, fleet.stop())
+        limit.flush()
     summary = progress.summary(rows, wall_s=time.time() - t0, accounting=accounting, counters=counters)
     summary["run_dir"] = run_dir
     summary["startup"] = clock.phases

@@ -7,10 +7,12 @@ with its pool's short-form config (`RolloutConfig.for_pool`) and engine. Rollout
 accelerators are spread over the nodes (one relay per node); a rollout asking for accelerators
 is placed by Ray on their resources (`num_gpus`; more than one: a one-bundle placement group),
 and reads from the relay of whatever node it lands on. A vLLM rollout gets a tmpfs folder for
-its config.json (removed at `stop`) and, on a CPU host, one OpenMP thread (rollout.vllm_engine)."""
+its config.json (removed at `stop`) and, on a CPU host, one OpenMP thread (rollout.vllm_engine).
+The manager replaces dead rollouts through `RolloutSpawner`, so `workers` is refreshed from it."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import shutil
 import uuid
@@ -35,6 +37,45 @@ STARTUP_TIMEOUT_S = 600.0
 
 
 @dataclass
+class RolloutSpawner:
+    """Creates rollout `index` of `cfg.rollout.assignments()` (restart 0 at start, then 1, 2, ...
+    for its replacements), with its pool's config, engine and accelerators: what the manager calls
+    to replace a dead rollout. Picklable: it travels to the manager actor."""
+
+    cfg: Any
+    data: Any
+    source: Any
+    model_dir: str | None
+    tokenizer: Any
+    scorer: Any
+    kind: str | None
+    accelerators: dict      # base rollout id -> accelerators (cluster.check_resources)
+    nodes: list
+    prefix: str
+    latency_model: Any = None
+
+    def workdir(self, rid: str, engine: str) -> str | None:
+        """The tmpfs folder of a vLLM rollout's config.json (removed by `Fleet.stop`)."""
+        return os.path.join(self.cfg.relay.store_dir, f"vllm-{self.prefix}-{rid}") if engine == "vllm" else None
+
+    def __call__(self, index: int, restart: int = 0) -> tuple[str, Any]:
+        base, pool = self.cfg.rollout.assignments()[index]
+        rid = base if restart == 0 else f"{base}.r{restart}"
+        rcfg = dataclasses.replace(self.cfg, rollout=self.cfg.rollout.for_pool(pool))
+        accel = self.accelerators.get(base, 0.0) if self.kind else 0.0
+        env = {"OMP_NUM_THREADS": "1"} if pool.engine == "vllm" and self.kind is None else {}
+        factory = engines.EngineFactory(rcfg, self.model_dir, seed=self.cfg.run.seed * 1000 + index + 7919 * restart,
+                                        latency_model=self.latency_model, workdir=self.workdir(rid, pool.engine),
+                                        accelerators=accel, kind=self.kind)
+        pg = cluster.placement_group_for(self.kind, accel, f"{self.prefix}-{rid}") if self.kind and accel > 1 else None
+        opts = cluster.actor_options(self.kind, accel, node=None if accel else self.nodes[index % len(self.nodes)],
+                                     max_concurrency=8, placement_group=pg, env=env)
+        handle = ray.remote(RolloutWorker).options(**opts).remote(
+            rid, rcfg, self.data, self.source, factory, self.tokenizer, self.scorer)
+        return rid, handle
+
+
+@dataclass
 class Fleet:
     data: Any
     learner: Any
@@ -45,8 +86,8 @@ class Fleet:
     manager_loop: Any = None
     bad_rows: list = field(default_factory=list)
     relay_events: list = field(default_factory=list)   # the relays' records of the last drain
-    workdirs: list = field(default_factory=list)
-    placement_groups: list = field(default_factory=list)
+    prefix: str = ""        # names this run's relays, placement groups and vLLM folders
+    cfg_store_dir: str = ""  # relay.store_dir, where vLLM rollouts keep their config folders
 
     @classmethod
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
@@ -80,63 +121,68 @@ class Fleet:
         phase("actors", "learner and data actors created; learner initialising (jax, model, optimizer)")
         mcfg = engines.model_config(cfg, model_dir)
         relays, prefix = None, f"laminar-relay-{cfg.run.name}-{uuid.uuid4().hex[:6]}"
-        workers, loops, workdirs, pgs = {}, {}, [], []
+        store = ray.get(learner.weight_store.remote(), timeout=STARTUP_TIMEOUT_S)
+        phase("learner", "learner ready")
+        # with relays, a rollout reads the store while its relay is dead or restarting
+        source = (RelaySource(prefix, fallback=StoreSource(store, mcfg)) if cfg.relay.enabled
+                  else StoreSource(store, mcfg))
+        spawn = RolloutSpawner(cfg, data, source, model_dir, tokenizer, RewardScorer(reward), kind,
+                               need["rollout"], nodes, prefix, latency_model)
+        workers, loops = {}, {}
 
-        def start_rollouts(store):
-            for i, (rid, pool) in enumerate(cfg.rollout.assignments()):
-                source = RelaySource(prefix) if store is None else StoreSource(store, mcfg)
-                rcfg = dataclasses.replace(cfg, rollout=cfg.rollout.for_pool(pool))
-                accel = need["rollout"][rid] if kind else 0.0
-                workdir, env = None, {}
-                if pool.engine == "vllm":
-                    workdir = os.path.join(cfg.relay.store_dir, f"vllm-{prefix}-{rid}")
-                    workdirs.append(workdir)
-                    if kind is None:
-                        env["OMP_NUM_THREADS"] = "1"
-                factory = engines.EngineFactory(rcfg, model_dir, seed=cfg.run.seed * 1000 + i,
-                                                latency_model=latency_model, workdir=workdir,
-                                                accelerators=accel, kind=kind)
-                pg = cluster.placement_group_for(kind, accel, f"{prefix}-{rid}") if kind and accel > 1 else None
-                pgs.extend([pg] if pg is not None else [])
-                opts = cluster.actor_options(kind, accel, node=None if accel else nodes[i % len(nodes)],
-                                             max_concurrency=8, placement_group=pg, env=env)
-                workers[rid] = ray.remote(RolloutWorker).options(**opts).remote(
-                    rid, rcfg, data, source, factory, tokenizer, RewardScorer(reward))
+        def start_rollouts():
+            for i, (_, pool) in enumerate(cfg.rollout.assignments()):
+                rid, workers[rid] = spawn(i)
                 loops[rid] = workers[rid].run.remote()
                 if events is not None:
+                    accel = need["rollout"].get(rid, 0.0) if kind else 0.0
                     events("rollout_started", rollout=rid, pool=pool.name, engine=pool.engine, accelerators=accel,
                            **engines.vllm_kwargs(accel, kind) if pool.engine == "vllm" else {})
 
-        if cfg.relay.enabled:   # rollouts wait on their relay: they can start before the learner is up
-            start_rollouts(None)
+        if cfg.relay.enabled:   # rollouts wait on their relay: they start while relays come up and publish
+            start_rollouts()
             phase("rollouts", f"{cfg.rollout.num_rollouts} rollouts starting (they wait for the first weights)")
-        store = ray.get(learner.weight_store.remote(), timeout=STARTUP_TIMEOUT_S)
-        phase("learner", "learner ready")
-        if cfg.relay.enabled:
             from laminar_jax.weights.relay_group import RelayGroup
-            relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=cfg.relay.num_chunks or None,
-                                t_byte=cfg.relay.t_byte_s, t_start=cfg.relay.t_start_s, prefix=prefix,
-                                transport=cfg.relay.transport, stream_timeout_s=cfg.relay.stream_timeout_s,
-                                shared_memory=cfg.relay.shared_memory,
-                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m))],
+            r = cfg.relay
+            relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=r.num_chunks or None,
+                                t_byte=r.t_byte_s, t_start=r.t_start_s, prefix=prefix,
+                                transport=r.transport, stream_timeout_s=r.stream_timeout_s,
+                                shared_memory=r.shared_memory, idle_timeout_s=r.idle_timeout_s,
+                                max_connections=r.max_connections, max_restarts=r.max_restarts,
+                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m), timeout=300)],
                                 events=events, runtime_env={"env_vars": {
                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})
+            relays.start_monitor(r.check_interval_s)
             phase("relays", f"{len(nodes)} relay(s) up")
         ray.get(learner.publish.remote(), timeout=STARTUP_TIMEOUT_S)
         phase("publish", "first weights published; rollouts building engines")
         if not cfg.relay.enabled:
-            start_rollouts(store)
-        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(cfg, workers, data)
+            start_rollouts()
+        manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(
+            cfg, workers, data, spawn=spawn, loops=loops)
         fleet = cls(data, learner, manager, workers, loops, relays, bad_rows=list(dataset.bad_rows),
-                    workdirs=workdirs, placement_groups=pgs)
+                    prefix=prefix, cfg_store_dir=cfg.relay.store_dir)
         fleet.manager_loop = manager.run.remote()
         return fleet
 
+    def refresh(self) -> dict[str, Any]:
+        """`workers` as the manager sees them now (dead ones gone, replacements in)."""
+        try:
+            self.workers = ray.get(self.manager.handles.remote(), timeout=300)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        return self.workers
+
+    def workdirs(self) -> list[str]:
+        """The vLLM rollouts' config folders on this host (made once per rollout, removed at stop)."""
+        return sorted(glob.glob(os.path.join(self.cfg_store_dir, f"vllm-{self.prefix}-*")))
+
     def live_stats(self) -> list[dict]:
         """Stats of the rollouts the manager still counts as live."""
-        live = ray.get(self.manager.report.remote())["live"]
+        live = ray.get(self.manager.report.remote(), timeout=300)["live"]
+        self.refresh()
         out = []
-        for rid in live:
+        for rid in [r for r in live if r in self.workers]:
             try:
                 out.append(ray.get(self.workers[rid].stats.remote(), timeout=30))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -158,8 +204,16 @@ class Fleet:
 
     def stop(self) -> list[dict]:
         """Stops loops and actors; returns the last events."""
-        ray.get(self.manager.stop.remote())
-        ray.get(self.manager_loop)
+        self.refresh()
+        try:
+            self.loops.update(ray.get(self.manager.loop_refs.remote(), timeout=60))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        try:
+            ray.get(self.manager.stop.remote(), timeout=60)
+            ray.get(self.manager_loop, timeout=120)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
         for w in self.workers.values():
             try:
                 w.stop.remote()
@@ -179,9 +233,11 @@ class Fleet:
             self.relays.shutdown()
         for handle in [self.learner, self.manager, self.data, *self.workers.values()]:
             ray.kill(handle, no_restart=True)
-        for pg in self.placement_groups:
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(pg)
-        for d in self.workdirs:  # config.json of a vLLM rollout (on this host)
+        # the rollouts' placement groups and vLLM config folders (on this host), replacements' too
+        from ray.util.placement_group import get_placement_group, placement_group_table, remove_placement_group
+        for info in placement_group_table().values():
+            if str(info.get("name", "")).startswith(f"{self.prefix}-") and info.get("state") != "REMOVED":
+                remove_placement_group(get_placement_group(info["name"]))
+        for d in self.workdirs():
             shutil.rmtree(d, ignore_errors=True)
         return events

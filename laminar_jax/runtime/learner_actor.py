@@ -81,6 +81,7 @@ class Learner:
                                  lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)),
                              kwargs=dict(num_groups=self.global_batch // k, events=self._event)).start()
         self._checkpoint_s = 0.0
+        self._waiting_since: float | None = None   # the driver's liveness check reads it
 
     # ------------------------------------------------------------------ plumbing
     def _event(self, kind: str, **fields: Any) -> None:
@@ -92,7 +93,7 @@ class Learner:
                 fields["write_s"] = self._write_s = time.perf_counter() - self._publish_t0.pop(fields["version"])
                 # superseded writes never finish: forget them
                 self._publish_t0 = {v: t for v, t in self._publish_t0.items() if v > fields["version"]}
-            self._events.append({"kind": kind, **fields})
+            self._events.append({"kind": kind, "t": time.time(), **fields})   # source time (chaos timings)
 
     def weight_store(self):
         return self.store
@@ -102,6 +103,11 @@ class Learner:
 
     def current_version(self) -> int:
         return self.version
+
+    def waiting(self) -> float | None:
+        """Seconds the current step has waited for groups so far; None while not waiting."""
+        since = self._waiting_since
+        return None if since is None else time.time() - since
 
     def publish(self) -> int:
         self.publisher.publish(self.version, self.state.params)
@@ -113,13 +119,14 @@ class Learner:
     # ------------------------------------------------------------------ one iteration
     def _collect(self, num_groups: int) -> tuple[list, float]:
         """Wait for `num_groups` whole groups; returns them and the seconds spent waiting."""
-        start = time.time()
+        start = self._waiting_since = time.time()
         batch_index = self.version if modes.uses_global_batches(self.mode) else None
         while True:
             # blocks in the data actor until the groups are there (no polling loop)
             groups = ray.get(self.data.wait_sample.remote(num_groups, self.version, batch_index, SAMPLE_WAIT_S),
                              timeout=SAMPLE_WAIT_S + 60)
             if groups:
+                self._waiting_since = None
                 return groups, time.time() - start
             if time.time() - start > STALL_TIMEOUT_S:
                 raise RuntimeError(f"learner: no {num_groups} groups for version {self.version} after "

@@ -48,31 +48,51 @@ class WeightSource:
 
 
 class RelaySource(WeightSource):
-    """The relay on this rollout's node (`weights.relay_group.local_relay`)."""
+    """The relay on this rollout's node (`weights.relay_group.local_relay`), and `fallback` (the
+    weight store) while that relay is dead, restarting or not answering within call_timeout_s:
+    a relay's death costs its rollouts a slower read, never the rollout. After a failure the
+    relay is looked up again every retry_s (by the watcher)."""
 
-    def __init__(self, prefix: str, namespace: str | None = None):
+    def __init__(self, prefix: str, namespace: str | None = None, *, fallback: WeightSource | None = None,
+                 call_timeout_s: float = 10.0, retry_s: float = 2.0):
         self.prefix, self.namespace = prefix, namespace
+        self.fallback, self.call_timeout_s, self.retry_s = fallback, call_timeout_s, retry_s
         self._relay, self._node = None, None
         self._cond: threading.Condition | None = None   # made in the actor (not picklable)
         self._served = -1                                # newest version the relay served
+        self._failing = False                            # the relay's last call failed
         self.rpcs = 0                                    # relay calls made (tests count them)
+        self.via = "relay"          # where the last answer came from: "relay" or "store"
+        self.fallbacks = 0
+        self.last_error: str | None = None
 
     def __getstate__(self):
-        return {"prefix": self.prefix, "namespace": self.namespace}
+        return {"prefix": self.prefix, "namespace": self.namespace, "fallback": self.fallback,
+                "call_timeout_s": self.call_timeout_s, "retry_s": self.retry_s}
 
     def __setstate__(self, state):
-        self.__init__(state["prefix"], state["namespace"])
+        self.__init__(state.pop("prefix"), state.pop("namespace"), **state)
 
     def node(self) -> str | None:
+        if self.via == "store" and self.fallback is not None:
+            return self.fallback.node()
         if self._node is None and self._relay is not None:
-            self._node = ray.get(self._relay.node_id.remote(), timeout=30)
+            try:
+                self._node = ray.get(self._relay.node_id.remote(), timeout=self.call_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return None
         return self._node
 
     def _handle(self):
         from laminar_jax.weights.relay_group import local_relay
         if self._relay is None:
-            self._relay = local_relay(self.prefix, self.namespace)
+            self._relay, self._node = local_relay(self.prefix, self.namespace), None
         return self._relay
+
+    def _fail(self, e: BaseException) -> None:
+        self._relay, self._failing = None, True
+        self.fallbacks += 1
+        self.last_error = f"{type(e).__name__}: {e}"
 
     def _start_watcher(self) -> None:
         if self._cond is None:
@@ -80,33 +100,53 @@ class RelaySource(WeightSource):
             threading.Thread(target=self._watch, name="relay-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Long-polls the relay for the next served version and records its number."""
+        """Long-polls the relay for the next served version and records its number; a failing
+        relay (dead, restarting, not registered yet) is looked up again every retry_s."""
         while True:
             try:
                 relay = self._handle()
                 self.rpcs += 1
-                snap = ray.get(relay.wait_newer.remote(self._served, WATCH_POLL_S), timeout=WATCH_POLL_S + 60)
-            except Exception:  # noqa: BLE001 - relay restarting or gone: look it up again
-                self._relay = None
-                time.sleep(0.5)
-                continue
-            if snap is not None:
+                snap = ray.get(relay.wait_newer.remote(self._served, WATCH_POLL_S),
+                               timeout=WATCH_POLL_S + self.call_timeout_s)
+            except Exception as e:  # noqa: BLE001 - relay restarting or gone: look it up again
                 with self._cond:
-                    self._served = max(self._served, snap.version)
+                    self._fail(e)
                     self._cond.notify_all()
+                time.sleep(self.retry_s)
+                continue
+            with self._cond:
+                self._failing = False
+                if snap is not None:
+                    self._served = max(self._served, snap.version)
+                self._cond.notify_all()
 
     def _pull(self, version: int) -> tuple[int, dict] | None:
         from laminar_jax.weights import flat
         from laminar_jax.weights.relay import pull
 
-        self.rpcs += 1
-        got = pull(self._handle(), newer_than=version, timeout_s=0.0)
+        try:
+            self.rpcs += 1
+            got = pull(self._handle(), newer_than=version, timeout_s=0.0, call_timeout_s=self.call_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError, OSError) as e:
+            # dead, restarting, or not registered yet (get_actor's ValueError); OSError: the
+            # shared buffer of a relay process that just died cannot be mapped any more
+            if self.fallback is None:
+                raise
+            self._fail(e)
+            return self._from_store(version)
+        self.via = "relay"
         if got is None or got[0] <= version:
             return None
         return got[0], flat.unflatten(got[1], got[2])
 
+    def _from_store(self, version: int) -> tuple[int, dict] | None:
+        self.via = "store"
+        return self.fallback.newer_than(version)
+
     def newer_than(self, version: int) -> tuple[int, dict] | None:
         self._start_watcher()
+        if self._failing and self.fallback is not None:
+            return self._from_store(version)
         with self._cond:
             if self._served <= version:
                 return None
@@ -114,8 +154,12 @@ class RelaySource(WeightSource):
 
     def wait_newer(self, version: int, timeout_s: float) -> tuple[int, dict] | None:
         self._start_watcher()
+        if self._failing and self.fallback is not None:
+            return WeightSource.wait_newer(self, version, timeout_s)   # polls the store meanwhile
         with self._cond:
-            self._cond.wait_for(lambda: self._served > version, timeout=timeout_s)
+            self._cond.wait_for(lambda: self._served > version or self._failing, timeout=timeout_s)
+            if self._failing and self.fallback is not None:
+                return self._from_store(version)
             if self._served <= version:
                 return None
         return self._pull(version)

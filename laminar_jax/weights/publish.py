@@ -113,6 +113,9 @@ def _restore_numpy(path: str) -> dict:
     return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
+STORE_READ_TIMEOUT_S = 300.0
+
+
 def _on_store_node(store: WeightStore, fn: Callable, *args):
     """Runs `fn(*args)` here if this node can read the store, else in a task pinned to its node."""
     if store.readable_from(_current_node_id()):
@@ -121,12 +124,17 @@ def _on_store_node(store: WeightStore, fn: Callable, *args):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     task = ray.remote(num_cpus=0, runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})(fn)
     strategy = NodeAffinitySchedulingStrategy(store.node_id, soft=False)
-    return ray.get(task.options(scheduling_strategy=strategy).remote(*args))
+    return ray.get(task.options(scheduling_strategy=strategy).remote(*args), timeout=STORE_READ_TIMEOUT_S)
 
 
 def read_path(store: WeightStore, path: str) -> dict:
     """Host numpy params of the checkpoint at `path` in `store` (read through the store's node
-    when this node cannot see it)."""
+    when this node cannot see it). A path this process sees (another node of the same host, or
+    a shared file system) is read directly: a task on the store's node may need a new worker
+    process first, seconds a master failover should not wait. The store root is unique per
+    learner process (pid + uuid), so a visible path is the store's."""
+    if os.path.isdir(path):
+        return _restore_numpy(path)
     return _on_store_node(store, _restore_numpy, path)
 
 

@@ -95,7 +95,9 @@ class RelayWorker:
       fetch_timeout_s: how long one object-store chunk fetch may take before it counts as lost.
       prefetch: object-store chunks fetched ahead of the loop.
       stream_timeout_s: limit on connecting, on one chunk's send, and on a read inside a frame.
-      host: address to listen on (default: the node IP Ray reports).
+      host: address to listen on (default: the node IP Ray reports; `RelayGroup` passes
+        127.0.0.1 when every relay is on one host).
+      idle_timeout_s, max_connections: the stream server's bounds (`weights.stream`).
       stream_token: shared by the relays of one group; streams without it are dropped.
       shared_memory: version buffers in shared memory (rollouts and same-host relays map them);
         False, or no memfd on this system: numpy buffers, served through the object store.
@@ -105,7 +107,9 @@ class RelayWorker:
 
     def __init__(self, name: str, *, transport: str = "tcp", fetch_timeout_s: float = 120.0,
                  prefetch: int = 2, stream_timeout_s: float = 60.0, host: str | None = None,
-                 stream_token: str = "", shared_memory: bool = True, shared_links: bool = True):
+                 stream_token: str = "", shared_memory: bool = True, shared_links: bool = True,
+                 idle_timeout_s: float = stream.IDLE_TIMEOUT_S,
+                 max_connections: int = stream.MAX_CONNECTIONS):
         if transport not in TRANSPORTS:
             raise ValueError(f"RelayWorker: transport must be one of {TRANSPORTS}, got {transport!r}")
         self.name, self.transport = name, transport
@@ -122,19 +126,34 @@ class RelayWorker:
                                   allocate=None if self._pool is None else self._pool.take)
         self._announced = -1         # master: newest version announced by the publisher
         self._down = Downstream(tcp=transport == "tcp", timeout_s=stream_timeout_s, log=self._log,
-                                token=stream_token,
+                                token=stream_token, idle_timeout_s=idle_timeout_s,
                                 host_key=self._host_key if shared_links else None)
         self._role: master.MasterRole | None = None
         self._server = None
         if transport == "tcp":
             host = host or ray.util.get_node_ip_address()
             self._server = stream.StreamServer(_Sink(self), host, timeout_s=stream_timeout_s,
-                                               token=stream_token)
+                                               token=stream_token, idle_timeout_s=idle_timeout_s,
+                                               max_connections=max_connections)
         self._loop_thread = threading.Thread(target=self._loop, name="relay-loop", daemon=True)
         self._loop_thread.start()
 
     # ------------------------------------------------------------------ remote API
     def ping(self) -> str:
+        return self.name
+
+    def prepare_standby(self) -> None:
+        """The group's next master in line imports what a master needs (orbax, jax) ahead of
+        time, on a thread: a failover then costs a broadcast, not seconds of imports."""
+        def warm() -> None:
+            import orbax.checkpoint  # noqa: F401
+            from laminar_jax.weights import publish  # noqa: F401
+        threading.Thread(target=warm, name="standby-warm", daemon=True).start()
+
+    def watch(self, seconds: float) -> str:
+        """Returns after `seconds`: the group's monitor keeps one such call open per relay, so
+        the relay's death fails it at once (`RelayGroup.start_monitor`)."""
+        time.sleep(min(float(seconds), 300.0))
         return self.name
 
     def node_id(self) -> str:
@@ -425,7 +444,7 @@ def _tick(timings: dict, key: str, since: float) -> float:
     return now
 
 
-def read(relay: Any, snap: Snapshot) -> np.ndarray:
+def read(relay: Any, snap: Snapshot, *, call_timeout_s: float = 120.0) -> np.ndarray:
     """The flat buffer of `snap`, read-only: the relay's shared buffer mapped (same host), else
     the object-store copy (zero-copy on the relay's node). Raises `shared_buffer.BufferGone`
     when the relay has served a newer version since `snap`: ask for the latest again."""
@@ -435,27 +454,30 @@ def read(relay: Any, snap: Snapshot) -> np.ndarray:
         except shared_buffer.NotLocal:
             pass
     refs = [snap.buffer] if snap.buffer is not None else ray.get(
-        relay.buffer_ref.remote(snap.version))
+        relay.buffer_ref.remote(snap.version), timeout=call_timeout_s)
     if refs is None:
         raise shared_buffer.BufferGone(f"version {snap.version} is no longer served")
-    return ray.get(refs[0])
+    return ray.get(refs[0], timeout=call_timeout_s)
 
 
-def pull(relay: Any, *, newer_than: int | None = None, timeout_s: float | None = None
-         ) -> tuple[int, np.ndarray, tuple[flat.TensorEntry, ...]] | None:
+def pull(relay: Any, *, newer_than: int | None = None, timeout_s: float | None = None,
+         call_timeout_s: float = 120.0) -> tuple[int, np.ndarray, tuple[flat.TensorEntry, ...]] | None:
     """(version, buffer, index) from a relay: the latest, or the first newer than `newer_than`.
 
     On the relay's host the buffer is a read-only view of the relay's memory (no copy).
-    Returns None when the relay has nothing (yet), or nothing newer within `timeout_s`.
+    Returns None when the relay has nothing (yet), or nothing newer within `timeout_s`. Every
+    call to the relay has a limit (`call_timeout_s`, plus `timeout_s` for `wait_newer`): a relay
+    that does not answer raises GetTimeoutError, a dead one RayActorError.
     """
     while True:
         if newer_than is None:
-            snap = ray.get(relay.latest.remote())
+            snap = ray.get(relay.latest.remote(), timeout=call_timeout_s)
         else:
-            snap = ray.get(relay.wait_newer.remote(newer_than, timeout_s))
+            snap = ray.get(relay.wait_newer.remote(newer_than, timeout_s),
+                           timeout=call_timeout_s + (timeout_s or 0.0))
         if snap is None:
             return None
         try:
-            return snap.version, read(relay, snap), snap.index
+            return snap.version, read(relay, snap, call_timeout_s=call_timeout_s), snap.index
         except shared_buffer.BufferGone:
             continue   # superseded between the answer and the read: a newer one is served

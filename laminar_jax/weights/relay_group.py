@@ -19,11 +19,20 @@ requests, pulls) always goes through Ray.
 Faults: a relay that stops answering with an actor error is evicted and `chain.relink` cuts it
 out; its upstream is re-pointed at its downstream and resends the chunks the downstream lacks. If
 the master died, the next relay of the chain becomes master and the publisher (and every
-`on_master_change` callback) is told, so the newest published version is announced to it again.
+`on_master_change` callback) is told, so the newest published version is announced to it again. A dead relay whose node is still alive
+is started again (up to `max_restarts` per group) and appended to the chain; its upstream resends
+it the current version. Meanwhile the rollouts of that node read the weight store directly
+(`runtime.weights_source.RelaySource`), so a relay's death never costs a rollout.
+`start_monitor(interval_s)` runs `check` on a thread, so a master's death is repaired within about
+interval_s, not at the driver's next relay check. Every control call has a timeout (CALL_TIMEOUT_S).
+
+Addresses: relay streams listen on 127.0.0.1 when every node of the group has one IP (one host,
+e.g. the embedded cluster or an emulated multi-node one), on the node IP only across hosts.
 """
 from __future__ import annotations
 
 import secrets
+import threading
 from typing import Any, Callable, Sequence
 
 import ray
@@ -40,6 +49,24 @@ DEFAULT_PREFIX = "laminar-relay"
 # cheap and let a relay check chunk k while it reads chunk k+1; an object-store chunk costs a put,
 # an actor call and a pull (~2 ms), so chunks there stay large.
 MAX_CHUNK_BYTES = {"tcp": 16 * 2**20, "object_store": 64 * 2**20}
+CALL_TIMEOUT_S = 300.0   # generous: a relay process starting on a loaded machine takes a minute
+WATCH_S = 30.0          # length of one relay `watch` call of the monitor (re-armed when it returns)
+LOOPBACK = "127.0.0.1"
+
+
+def _locked(method: Callable) -> Callable:
+    """Runs the method under the group's lock (the monitor thread changes the chain too)."""
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
+
+
+def stream_host(nodes: Sequence[str]) -> str | None:
+    """127.0.0.1 when every node in `nodes` has one IP (one host), else None (each relay's node IP)."""
+    ips = {n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] in set(nodes)}
+    return LOOPBACK if len(ips) <= 1 else None
 
 
 def _alive_nodes() -> list[str]:
@@ -84,7 +111,8 @@ class RelayGroup:
                  namespace: str | None = None, runtime_env: dict | None = None,
                  transport: str = "tcp", fetch_timeout_s: float = 120.0, prefetch: int = 2,
                  stream_timeout_s: float = 60.0, shared_memory: bool = True,
-                 shared_links: bool = True):
+                 shared_links: bool = True, idle_timeout_s: float = 300.0,
+                 max_connections: int = 64, max_restarts: int = 3):
         if topology not in ("chain", "fanout"):
             raise ValueError(f"RelayGroup: topology must be 'chain' or 'fanout', got {topology!r}")
         if transport not in TRANSPORTS:
@@ -115,10 +143,15 @@ class RelayGroup:
         self._worker_args = dict(transport=transport, fetch_timeout_s=fetch_timeout_s,
                                  prefetch=prefetch, stream_timeout_s=stream_timeout_s,
                                  stream_token=self.stream_token, shared_memory=shared_memory,
-                                 shared_links=shared_links)
+                                 shared_links=shared_links, idle_timeout_s=idle_timeout_s,
+                                 max_connections=max_connections, host=stream_host(nodes))
+        self.max_restarts, self.restarts = max_restarts, 0
+        self._lock = threading.RLock()      # check() on the monitor thread vs. the caller's calls
+        self._monitor: threading.Thread | None = None
+        self._monitor_stop = threading.Event()
         self.order: tuple[str, ...] = chain.chain_order(nodes, master_node)
         self.relays: dict[str, Any] = {node: self._start(node) for node in self.order}
-        placed = ray.get([r.node_id.remote() for r in self.relays.values()])
+        placed = ray.get([r.node_id.remote() for r in self.relays.values()], timeout=CALL_TIMEOUT_S)
         for node, actual in zip(self.relays, placed):
             if node != actual:
                 raise RuntimeError(f"RelayGroup: relay for node {node} started on {actual}")
@@ -142,11 +175,14 @@ class RelayGroup:
         # k depends on the chain length, so the master is told again whenever it changes.
         role = MasterRole(store=self.store, cfg=self.cfg, chain_length=self._chain_length(),
                           **self._role_args)
-        ray.get(self.master.configure_master.remote(role))
+        ray.get(self.master.configure_master.remote(role), timeout=CALL_TIMEOUT_S)
 
     def _make_master(self) -> None:
-        """Makes the chain's head the master and tells the publisher and callbacks."""
+        """Makes the chain's head the master and tells the publisher and callbacks; the next
+        relay in line warms up as standby master (`RelayWorker.prepare_standby`)."""
         self._configure_master()
+        if len(self.order) > 1:
+            self.relays[self.order[1]].prepare_standby.remote()
         master = self.master
         if self._publisher is not None:
             self._publisher.set_master(master)
@@ -163,7 +199,7 @@ class RelayGroup:
         calls = [self.relays[node].set_downstream.remote(down)
                  for node, down in self._downstream(order).items()
                  if only is None or node in only]
-        ray.get(calls)
+        ray.get(calls, timeout=CALL_TIMEOUT_S)
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -182,16 +218,18 @@ class RelayGroup:
                            f"relays are on {list(self.order)}") from None
 
     def status(self) -> dict[str, dict]:
-        return dict(zip(self.order, ray.get([self.relays[n].status.remote() for n in self.order])))
+        return dict(zip(self.order, ray.get([self.relays[n].status.remote() for n in self.order],
+                                            timeout=CALL_TIMEOUT_S)))
 
     def collect_events(self) -> list[dict]:
         """Drains every live relay's events into the group's sink; returns them."""
-        refs = [self.relays[n].drain_events.remote() for n in self.order]
+        with self._lock:
+            refs = [self.relays[n].drain_events.remote() for n in self.order]
         recs = []
         for ref in refs:
             try:
-                recs.extend(ray.get(ref))
-            except ray.exceptions.RayActorError:
+                recs.extend(ray.get(ref, timeout=CALL_TIMEOUT_S))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass   # a dead relay's last events are lost; `check` reports the relay itself
         recs.sort(key=lambda r: r["t"])
         add = getattr(self._events, "add", None)
@@ -204,7 +242,12 @@ class RelayGroup:
 
     # ------------------------------------------------------------------ faults
     def check(self, timeout_s: float = 10.0) -> list[str]:
-        """One heartbeat round; evicts relays whose actor is dead and re-links. Returns them."""
+        """One heartbeat round; evicts relays whose actor is dead, re-links, and starts a new
+        relay on each such node that is still alive (within the restart budget). Returns them."""
+        with self._lock:
+            return self._check(timeout_s)
+
+    def _check(self, timeout_s: float) -> list[str]:
         pings = {node: self.relays[node].ping.remote() for node in self.order}
         ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
         dead = []
@@ -217,8 +260,51 @@ class RelayGroup:
                 dead.append(node)
         for node in dead:
             self.remove(node, dead=True)
+        alive = set(_alive_nodes())
+        for node in dead:
+            if node not in alive or node in self.relays:
+                continue
+            if self.restarts >= self.max_restarts:
+                self._events("relay_not_restarted", relay=node, restarts=self.restarts,
+                             max_restarts=self.max_restarts)
+                continue
+            self.restarts += 1
+            try:
+                self.add(node)
+            except Exception as e:  # noqa: BLE001 - its rollouts keep reading the store meanwhile
+                self.relays.pop(node, None)
+                self.order = tuple(n for n in self.order if n != node)
+                self._events("relay_restart_failed", relay=node, error=repr(e))
+                continue
+            self._events("relay_restarted", relay=node, restarts=self.restarts)
         return dead
 
+    def start_monitor(self, interval_s: float) -> None:
+        """`check()` on a daemon thread until `shutdown()`: every interval_s, and at once when a
+        relay dies -- each relay holds one `watch` call, whose ref fails the moment its process
+        goes, so a dead master is replaced in about the time Ray takes to notice, not a period."""
+        def loop() -> None:
+            watches: dict[str, Any] = {}
+            while not self._monitor_stop.is_set():
+                with self._lock:
+                    for node in self.order:
+                        if node not in watches:
+                            watches[node] = self.relays[node].watch.remote(WATCH_S)
+                ready, _ = ray.wait(list(watches.values()), num_returns=1, timeout=interval_s)
+                if self._monitor_stop.is_set():
+                    return
+                with self._lock:
+                    for node, ref in list(watches.items()):
+                        if ref in ready or node not in self.relays:
+                            del watches[node]
+                try:
+                    self.check()
+                except Exception as e:  # noqa: BLE001 - the next round tries again
+                    self._events("relay_error", message="check", error=repr(e))
+        self._monitor = threading.Thread(target=loop, name="relay-monitor", daemon=True)
+        self._monitor.start()
+
+    @_locked
     def remove(self, node: str, *, dead: bool = False) -> None:
         """Takes a relay out of the chain (after a failure, or to retire its node)."""
         if node not in self.relays:
@@ -245,12 +331,13 @@ class RelayGroup:
         if not was_master:
             self._configure_master()
 
+    @_locked
     def add(self, node: str) -> Any:
         """A relay on a new node, appended to the chain; it receives the current version."""
         if node in self.relays:
             raise ValueError(f"RelayGroup.add: node {node!r} already has a relay")
         self.relays[node] = self._start(node)
-        ray.get(self.relays[node].ping.remote())
+        ray.get(self.relays[node].ping.remote(), timeout=CALL_TIMEOUT_S)
         tail = self.order[-1]
         self.order = self.order + (node,)
         self._events("relay_started", relay=node)
@@ -259,6 +346,9 @@ class RelayGroup:
         return self.relays[node]
 
     def shutdown(self) -> None:
+        self._monitor_stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=CALL_TIMEOUT_S)
         for handle in self.relays.values():
             ray.kill(handle, no_restart=True)
         self.relays.clear()

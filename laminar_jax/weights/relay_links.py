@@ -39,8 +39,9 @@ class Downstream:
     `host_key`: this relay's `shared_buffer.host_key()` when its version buffers are shared."""
 
     def __init__(self, *, tcp: bool, timeout_s: float, log: Callable[..., None], token: str = "",
-                 host_key: str | None = None):
+                 host_key: str | None = None, idle_timeout_s: float = stream.IDLE_TIMEOUT_S):
         self._tcp, self._timeout_s, self._log, self._token = tcp, timeout_s, log, token
+        self._idle_timeout_s = idle_timeout_s
         self._host_key = host_key
         self.links: tuple = ()
         self._pending: list = []     # results of offers sent downstream, reaped as they finish
@@ -78,6 +79,7 @@ class Downstream:
         try:
             return stream.StreamLink(
                 relay, address, timeout_s=self._timeout_s, log=self._log, token=self._token,
+                idle_timeout_s=self._idle_timeout_s,
                 fallback=lambda m, i, view: self.offer(relay, m, i, ray.put(view)),
                 same_host=self._host_key is not None and peer_key == self._host_key)
         except OSError as e:
@@ -92,7 +94,9 @@ class Downstream:
         until the streams have sent it, so the buffer is not reused meanwhile); `source`: the
         shared buffer `data` lies in (same-host streams send a chunk-at frame instead)."""
         if self._hold_after is not None and self._forwarded >= self._hold_after:
-            self._released.wait()
+            if not self._released.wait(self._timeout_s):   # a drill never blocks a relay for good
+                self._log("relay_error", message="hold not released", timeout_s=self._timeout_s)
+                self._hold_after = None
         self._forwarded += 1
         ref = None
         for link in self.links:

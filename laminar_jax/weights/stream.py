@@ -36,7 +36,11 @@ The receiver checks nothing itself; it asks its sink where the payload goes and 
     sink.log(kind, **fields)                                "stream_error" events
 
 Every read in the middle of a frame and every send has a timeout, so a stalled or dead peer
-surfaces as a logged "stream_error", never as a hang. Sockets release the GIL, so a relay receives
+surfaces as a logged "stream_error", never as a hang. Threads stay bounded: a connection must send
+its hello within `timeout_s`, a greeted connection idle for `idle_timeout_s` is closed (a link
+idle for half that reconnects before it sends, so it never writes into a socket the server is
+closing), and at most `max_connections` are served at once (more are closed on accept, counted in
+one "stream_refused" event per second at most). Sockets release the GIL, so a relay receives
 chunk k+1 while its sender thread forwards chunk k and its loop checks the crc32 of chunk k.
 """
 from __future__ import annotations
@@ -48,6 +52,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -64,6 +69,8 @@ MAX_MANIFEST_BYTES = 64 * 2**20
 MAX_TOKEN_BYTES = 256
 MAX_SOURCE_BYTES = 4096
 _DISCARD = 4 * 2**20
+IDLE_TIMEOUT_S = 300.0
+MAX_CONNECTIONS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +169,12 @@ class StreamServer:
     """Listens on (host, port 0) and reads frames from every connection that opens with the
     hello frame carrying `token` into `sink`."""
 
-    def __init__(self, sink: Any, host: str, *, timeout_s: float = 60.0, token: str = ""):
+    def __init__(self, sink: Any, host: str, *, timeout_s: float = 60.0, token: str = "",
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
         self._sink, self._timeout_s, self._token = sink, timeout_s, token.encode()
-        self._sock = socket.create_server((host, 0), backlog=16)
+        self._idle_timeout_s, self._max_connections = idle_timeout_s, max_connections
+        self._refused, self._refused_logged = 0, 0.0
+        self._sock = socket.create_server((host, 0), backlog=128)
         self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -190,9 +200,33 @@ class StreamServer:
                 return   # closed
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._refuse(conn, peer)
+                continue
             threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"),
                              name="stream-recv", daemon=True).start()
+
+    def _refuse(self, conn: socket.socket, peer: tuple) -> None:
+        conn.close()
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= 1.0:   # a flood costs one event per second, not one each
+            self._refused_logged = now
+            self._sink.log("stream_refused", peer=f"{peer[0]}:{peer[1]}", refused=self._refused,
+                           max_connections=self._max_connections)
+
+    @property
+    def refused(self) -> int:
+        """Connections closed on accept because max_connections were being served."""
+        return self._refused
+
+    def connections(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return len(self._conns)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
@@ -211,8 +245,15 @@ class StreamServer:
         raw = bytearray(_HEADER.size)
         greeted = False
         while True:
-            conn.settimeout(None)   # an idle link is normal: wait for the next frame's first byte
-            n = conn.recv_into(raw, 1)
+            # before the hello: the stream timeout (a stray or half-open connection costs a thread
+            # that long); after it, an idle link is normal up to idle_timeout_s
+            conn.settimeout(self._idle_timeout_s if greeted else self._timeout_s)
+            try:
+                n = conn.recv_into(raw, 1)
+            except socket.timeout:
+                if greeted:
+                    return        # idle: the link reconnects when it next sends
+                raise ValueError(f"no hello within {self._timeout_s:.0f} s") from None
             if n == 0:
                 return            # closed between frames
             conn.settimeout(self._timeout_s)
@@ -312,11 +353,13 @@ class StreamLink:
 
     def __init__(self, relay: Any, address: tuple[str, int], *, timeout_s: float,
                  log: Callable[..., None], fallback: Callable[..., None], token: str = "",
-                 same_host: bool = False):
+                 same_host: bool = False, idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.relay, self.address, self.same_host = relay, tuple(address), same_host
         self._timeout_s, self._log, self._fallback = timeout_s, log, fallback
         self._token = token
+        self._idle_timeout_s = idle_timeout_s
         self._sock: socket.socket | None = connect(self.address, timeout_s, token)
+        self._last_send = time.monotonic()
         self._manifest_sent: int | None = None
         self._source_sent: tuple[int, int] | None = None    # (version, inode)
         self._queue: queue.Queue = queue.Queue()
@@ -372,8 +415,12 @@ class StreamLink:
         if self._broken:
             self._fallback(manifest, chunk, view)
             return
+        if self._sock is not None and time.monotonic() - self._last_send > self._idle_timeout_s / 2:
+            self._sock.close()    # the server may be closing it as idle: start a fresh one
+            self._sock = None
         for attempt in (0, 1):
             try:
+                self._last_send = time.monotonic()
                 if self._sock is None:
                     self._sock = connect(self.address, self._timeout_s, self._token)
                     self._manifest_sent = self._source_sent = None

@@ -1,5 +1,6 @@
 """Fault isolation and the ledger: a rollout killed mid-run costs only its work in progress; its
-groups are re-issued on the same version or re-queued, and nothing is lost or counted twice."""
+groups are re-issued on the same version or re-queued, nothing is lost or counted twice, and the
+manager replaces it with a new rollout (manager.max_restarts) that delivers groups of its own."""
 import ray
 
 from laminar_jax.analysis import load_run
@@ -35,5 +36,10 @@ def test_killed_rollout_loses_nothing(cluster, warm_model, tmp_path):
     # every consumed group is whole and consumed once, whatever happened to its rollout
     assert traj.groupby("group_id").size().eq(cfg.data.group_size).all()
     assert len(traj) == cfg.run.steps * cfg.learner.global_batch_groups * cfg.data.group_size
-    late = run.metrics.step > 3
-    assert (run.metrics["live_rollouts"][late] == 2).all()
+    (restarted,) = run.events[run.events.kind == "rollout_restarted"].itertuples()
+    assert (restarted.replaces, restarted.rollout) == ("rollout-1", "rollout-1.r1")
+    assert summary["manager"]["restarts"] == 1
+    # the replacement came up (it loaded weights) and the fleet is whole again
+    pulls = run.events[(run.events.kind == "pull")]
+    assert (pulls.rollout == "rollout-1.r1").any()
+    assert run.metrics["live_rollouts"].iloc[-1] == 3

@@ -32,7 +32,7 @@ STARTUP_FILES = {"config.json", "tokenizer.json", "tokenizer_config.json"}  # th
 
 
 def _files_written(fleet, seen):
-    for d in fleet.workdirs:
+    for d in fleet.workdirs():
         seen.append(sorted(os.listdir(d)))
 
 

@@ -223,3 +223,66 @@ def test_chunk_at_without_a_mappable_source_is_logged_and_the_connection_goes_on
     errors = [f.get("error", "") for k, f in sink.events if k == "stream_error"]
     assert errors[0] == "no mapped source buffer for this version"
     assert "source buffer not mapped: BufferGone" in errors[1]
+
+
+def _wait_until(pred, timeout_s):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def test_idle_and_half_open_connections_are_closed_and_threads_stay_bounded():
+    """200 connections that never greet (a port scan, half-open peers): each is closed after the
+    stream timeout, at most max_connections are served at once, and the threads go back down."""
+    sink = Sink(16)
+    before = threading.active_count()
+    server = stream.StreamServer(sink, HOST, timeout_s=1.0, token=TOKEN, max_connections=20)
+    socks = []
+    try:
+        for _ in range(200):
+            socks.append(socket.create_connection(server.address, timeout=5))
+        peak = threading.active_count() - before
+        assert server.connections() <= 20
+        assert peak <= 20 + 2, peak        # accept thread + at most max_connections readers
+        assert _wait_until(lambda: server.connections() == 0, 10.0), server.connections()
+        # every one of them was closed by the server: a read sees EOF (or a reset), never blocks
+        for s in socks:
+            s.settimeout(5)
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        assert _wait_until(lambda: threading.active_count() <= before + 1, 5.0)
+        kinds = [k for k, _ in sink.events]
+        assert server.refused > 0
+        assert 1 <= kinds.count("stream_refused") <= 3       # rate-limited, not one per refusal
+        assert kinds.count("stream_error") <= 200 - server.refused   # one per timed-out connection
+    finally:
+        for s in socks:
+            s.close()
+        server.close()
+
+
+def test_greeted_idle_link_is_closed_by_the_server_and_the_link_reconnects_to_send():
+    manifest, buffer = _manifest(nbytes=4096, k=2)
+    sink = Sink(buffer.size)
+    server = stream.StreamServer(sink, HOST, timeout_s=5.0, token=TOKEN, idle_timeout_s=0.5)
+    events = []
+    link = stream.StreamLink("relay", server.address, timeout_s=5.0, token=TOKEN, idle_timeout_s=0.5,
+                             log=lambda kind, **f: events.append(kind), fallback=lambda *a: events.append("fb"))
+    try:
+        s, e = manifest.chunks[0]
+        link.send(manifest, 0, buffer[s:e])
+        sink.wait(lambda: len(sink.got) == 1)
+        assert _wait_until(lambda: server.connections() == 0, 5.0)   # idle: closed by the server
+        s, e = manifest.chunks[1]
+        link.send(manifest, 1, buffer[s:e])                          # after the idle close
+        sink.wait(lambda: len(sink.got) == 2)
+    finally:
+        link.close()
+        server.close()
+    assert np.array_equal(sink.buffer, buffer)
+    assert "fb" not in events and "stream_fallback" not in events

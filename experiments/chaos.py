@@ -1,0 +1,315 @@
+"""Chaos benchmark: a real run (Ray, JAX engines behind `runtime.engines.LatencyEngine`, learner,
+relays, manager) on a 2-node emulated cluster, with faults injected for real while it trains:
+
+    rollout   ray.kill of a live rollout, every --rollout-every s      (manager replaces it)
+    relay     ray.kill of a relay that is not the master, every --relay-every s (restarted; its
+              rollouts read the weight store meanwhile)
+    master    ray.kill of the master relay, once at --master-at s      (the next one takes over)
+    learner   ray.kill of the learner, once at --learner-at s; the run is then started again on
+              the same run folder, which resumes from its last checkpoint (run.checkpoint_every)
+
+Reported (JSON under experiments/results/, table on stdout):
+    prompts issued / consumed, lost (ledger `unaccounted`) and duplicated (groups consumed twice in
+    trajectories.parquet, and the buffer's duplicate deliveries), target 0 / 0;
+    per fault: time to recover -- rollout: kill -> its replacement's first weight pull; relay:
+    kill -> the new relay's first received version; master: the version published next reaches
+    every relay, against a normal broadcast (publish_written -> last relay_received, median);
+    learner: kill -> first step of the resumed run;
+    throughput dip: trajectories consumed in the --window s after a fault against the run's mean.
+
+    python experiments/chaos.py                       # 10 minutes, all faults -> chaos.{json,txt}
+    python experiments/chaos.py --short --name chaos_short   # ~2 minutes, 3 faults (the CI test's)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # before Ray is imported: loopback
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import numpy as np  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from laminar_jax.analysis import load_run  # noqa: E402
+from laminar_jax.config import load_config  # noqa: E402
+
+
+class StopRun(Exception):
+    """Raised from on_step when the chaos run's time is up (the driver stops the fleet)."""
+
+
+def config(out_dir: str, name: str, model_dir: str, *, rollouts: int, groups: int, extra: dict | None = None):
+    overrides = {"run.out_dir": out_dir, "run.name": name, "model.hf_path": model_dir, "data.task": "arithmetic",
+                 "data.task_max_n": 9, "data.group_size": 8, "data.num_prompts": 4096,
+                 "learner.global_batch_groups": groups, "learner.max_seq_len": 32, "rollout.max_new_tokens": 8,
+                 "rollout.num_rollouts": rollouts, "rollout.max_concurrency": 32,
+                 "rollout.kv_budget_tokens": 1024, "optimizer.lr": 3e-4, "optimizer.schedule": "constant",
+                 "manager.repack_interval_s": 0.5, "manager.max_restarts": 100, "relay.max_restarts": 100,
+                 "run.steps": 100000, "run.log_every": 1000, "run.checkpoint_every": 5, "reward.fn": "task",
+                 "relay.store_dir": "/dev/shm/laminar-chaos", **(extra or {})}
+    return load_config(os.path.join(ROOT, "configs/default.yaml"), [f"{k}={v}" for k, v in overrides.items()])
+
+
+def schedule(duration_s: float, *, rollout_every: float, relay_every: float, master_at: float | None,
+             learner_at: float | None) -> list[tuple[float, str]]:
+    """(seconds after the first step, fault kind), in time order; the learner fault is the last."""
+    faults = [(t, "rollout") for t in np.arange(rollout_every, duration_s, rollout_every)]
+    faults += [(t, "relay") for t in np.arange(relay_every, duration_s, relay_every)]
+    if master_at is not None:
+        faults.append((master_at, "master"))
+    if learner_at is not None:
+        faults.append((learner_at, "learner"))
+    return sorted((float(t), k) for t, k in faults)
+
+
+class Chaos:
+    """The on_step hook: fires the faults that are due, records every step, stops at the end."""
+
+    def __init__(self, faults: list[tuple[float, str]], duration_s: float):
+        self.pending, self.duration_s = list(faults), duration_s
+        self.fired: list[dict] = []
+        self.steps: list[dict] = []
+        self.t0: float | None = None
+        self.accounting: dict | None = None
+        self.counters: dict | None = None
+        self._next_rollout = 0
+
+    def __call__(self, step: int, fleet, metrics: dict) -> None:
+        import ray
+        now = time.time()
+        if self.t0 is None:
+            self.t0 = now
+        self.steps.append({"step": step, "t": now, "consumed": metrics["consumed_trajectories"],
+                           "version": metrics["version"], "staleness_max": metrics["staleness_max"]})
+        while self.pending and now - self.t0 >= self.pending[0][0]:
+            at, kind = self.pending.pop(0)
+            target = self._fire(kind, fleet)
+            self.fired.append({"kind": kind, "at_s": at, "t": time.time(), "target": target,
+                               "step": step, "version": metrics["version"]})
+            if kind == "learner":
+                return   # the driver's next wait sees the dead learner
+        if now - self.t0 >= self.duration_s:
+            self.accounting = ray.get(fleet.data.accounting.remote(), timeout=60)
+            self.counters = ray.get(fleet.manager.report.remote(), timeout=60)["counters"]
+            raise StopRun()
+
+    def _fire(self, kind: str, fleet) -> str | None:
+        import ray
+        if kind == "rollout":
+            live = sorted(fleet.refresh())
+            if not live:
+                return None
+            rid = live[self._next_rollout % len(live)]
+            self._next_rollout += 1
+            ray.kill(fleet.workers[rid], no_restart=True)
+            return rid
+        relays = fleet.relays
+        if kind == "relay":
+            with relays._lock:
+                others = list(relays.order[1:])
+            if not others:
+                return None
+            ray.kill(relays.relays[others[-1]], no_restart=True)
+            return others[-1]
+        if kind == "master":
+            with relays._lock:
+                node = relays.master_node
+                ray.kill(relays.master, no_restart=True)
+            return node
+        if kind == "learner":
+            ray.kill(fleet.learner, no_restart=True)
+            return "learner"
+        raise ValueError(kind)
+
+
+def _events(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, resumed_at: float | None) -> dict:
+    events = _events(run_dir)
+    t = lambda e: e.get("t", e["time"])  # noqa: E731 - source time when the event has one
+    by = lambda kind: [e for e in events if e["kind"] == kind]  # noqa: E731
+    written = {e["version"]: t(e) for e in by("publish_written")}
+    received: dict[int, list[float]] = {}
+    for e in by("relay_received"):
+        received.setdefault(e["version"], []).append(t(e))
+    broadcast = {v: max(ts) - written[v] for v, ts in received.items() if v in written}
+    fault_versions = set()
+    rows = []
+    rate = _mean_rate(chaos.steps)
+    for f in chaos.fired:
+        rec, note = None, ""
+        if f["kind"] == "rollout" and f["target"]:
+            new = [e["rollout"] for e in by("rollout_restarted") if e.get("replaces") == f["target"]]
+            pulls = [t(e) for e in by("pull") if new and e.get("rollout") == new[0]]
+            rec = min(pulls) - f["t"] if pulls else None
+            note = f"{f['target']} -> {new[0] if new else 'not replaced'}"
+        elif f["kind"] == "relay" and f["target"]:
+            got = [t(e) for e in by("relay_received") if e.get("relay") == f["target"] and t(e) > f["t"]]
+            rec = min(got) - f["t"] if got else None
+            note = "relay restarted" if any(e.get("relay") == f["target"] for e in by("relay_restarted")) else "not restarted"
+        elif f["kind"] == "master":
+            # the next version reaches every rollout that pulls after the kill
+            after = [e for e in by("pull") if t(e) > f["t"] and e["version"] > f["version"]]
+            first: dict[str, float] = {}
+            for e in sorted(after, key=t):
+                first.setdefault(e["rollout"], t(e))
+            fault_versions.update(v for v in written if written[v] > f["t"] - 1)
+            if first:
+                rec = max(first.values()) - f["t"]
+                new_master = [e["new"] for e in by("master_failover") if e.get("old") == f["target"]]
+                note = (f"master -> {new_master[0][:8] if new_master else '?'}; first pull of a newer "
+                        f"version on {len(first)} rollouts")
+        elif f["kind"] == "learner" and resumed_at is not None:
+            rec = resumed_at - f["t"]
+            note = "resumed from the last checkpoint"
+        rows.append(dict(f, recover_s=rec, note=note, dip=_dip(chaos.steps, f["t"], window_s, rate)))
+    normal = [s for v, s in broadcast.items() if v not in fault_versions]
+    traj = load_run(run_dir).trajectories
+    per_group = traj.groupby("group_id").size()
+    dup_samples = int(traj.duplicated(["group_id", "sample_index"]).sum())
+    return {"faults": rows, "normal_broadcast_s": float(np.median(normal)) if normal else None,
+            "consumed_groups": int(len(per_group)), "groups_consumed_twice": int((per_group > group_size).sum()),
+            "duplicate_trajectory_rows": dup_samples, "trajectories_per_s": rate}
+
+
+def _mean_rate(steps: list[dict]) -> float:
+    if len(steps) < 2:
+        return 0.0
+    return sum(s["consumed"] for s in steps[1:]) / max(steps[-1]["t"] - steps[0]["t"], 1e-9)
+
+
+def _dip(steps: list[dict], t_fault: float, window_s: float, rate: float) -> float | None:
+    """1 - (trajectories consumed in [t, t + window]) / (mean rate x window); 0 = no dip."""
+    if rate <= 0 or not steps or steps[-1]["t"] < t_fault + window_s:
+        return None
+    got = sum(s["consumed"] for s in steps if t_fault < s["t"] <= t_fault + window_s)
+    return 1.0 - got / (rate * window_s)
+
+
+def run_chaos(model_dir: str, work: str, name: str, *, duration_s: float, faults: list[tuple[float, str]],
+              rollouts: int = 4, groups: int = 4, latency_scale: float = 4.0, window_s: float = 20.0,
+              quiet: bool = True) -> dict:
+    """One chaos run on the Ray cluster this process is connected to; returns the report dict."""
+    from laminar_jax.runtime import driver
+    from experiments.compare_modes import latency_model
+    cfg = config(work, name, model_dir, rollouts=rollouts, groups=groups)
+    run_dir = os.path.join(work, name)
+    chaos = Chaos(faults, duration_s)
+    t_start = time.time()
+    resumed_at, outcome = None, "finished"
+    try:
+        driver.run(cfg, on_step=chaos, latency_model=latency_model(latency_scale), quiet=quiet)
+    except StopRun:
+        pass
+    except Exception as e:  # noqa: BLE001 - the learner fault ends this part of the run
+        if not any(f["kind"] == "learner" for f in chaos.fired):
+            raise
+        outcome = f"learner killed ({type(e).__name__}); resumed"
+        rest = duration_s - (time.time() - chaos.t0)
+        chaos2 = Chaos([], max(rest, 20.0))
+        first = {}
+
+        def on_step(step, fleet, metrics):
+            first.setdefault("t", time.time())
+            chaos2(step, fleet, metrics)
+        try:
+            driver.run(cfg, on_step=on_step, latency_model=latency_model(latency_scale), quiet=quiet)
+        except StopRun:
+            pass
+        resumed_at = first.get("t")
+        chaos.steps += chaos2.steps
+        chaos.accounting, chaos.counters = chaos2.accounting, chaos2.counters
+    report = analyse(run_dir, chaos, group_size=cfg.data.group_size, window_s=window_s, resumed_at=resumed_at)
+    acc = chaos.accounting or {}
+    report.update(name=name, outcome=outcome, wall_s=time.time() - t_start, duration_s=duration_s,
+                  rollouts=rollouts, steps=len(chaos.steps), run_dir=run_dir,
+                  issued=acc.get("issued"), consumed=acc.get("consumed"), lost=acc.get("unaccounted"),
+                  duplicate_deliveries=acc.get("duplicates"), ledger=acc, manager=chaos.counters)
+    return report
+
+
+def table(r: dict) -> str:
+    lines = [f"chaos run {r['name']}: {r['steps']} steps in {r['duration_s']:.0f} s, {r['rollouts']} rollouts, "
+             f"2 nodes; {r['outcome']}",
+             f"prompts (groups) issued {r['issued']}, consumed {r['consumed']}, lost {r['lost']}, "
+             f"duplicated {r['groups_consumed_twice']} consumed twice / {r['duplicate_trajectory_rows']} rows "
+             f"(buffer dropped {r['duplicate_deliveries']} duplicate deliveries)",
+             f"normal broadcast (publish -> every relay, median): "
+             + (f"{r['normal_broadcast_s']:.3f} s" if r["normal_broadcast_s"] is not None else "n/a"),
+             "", f"{'t (s)':>6}  {'fault':<8} {'target':<26} {'recover (s)':>11} {'dip':>6}  note"]
+    for f in r["faults"]:
+        rec = "never" if f["recover_s"] is None else f"{f['recover_s']:.2f}"
+        dip = "n/a" if f["dip"] is None else f"{f['dip']:+.0%}"
+        lines.append(f"{f['at_s']:6.0f}  {f['kind']:<8} {str(f['target'])[:26]:<26} {rec:>11} {dip:>6}  {f['note']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of chaos after the first step")
+    p.add_argument("--rollouts", type=int, default=4)
+    p.add_argument("--rollout-every", type=float, default=60.0)
+    p.add_argument("--relay-every", type=float, default=180.0)
+    p.add_argument("--master-at", type=float, default=270.0)
+    p.add_argument("--learner-at", type=float, default=480.0)
+    p.add_argument("--latency-scale", type=float, default=4.0)
+    p.add_argument("--window", type=float, default=20.0, help="seconds after a fault the dip is measured over")
+    p.add_argument("--short", action="store_true", help="~2 minutes, 3 faults: rollout, relay, master")
+    p.add_argument("--name", default="chaos")
+    p.add_argument("--out", default=os.path.join(ROOT, "experiments/results"))
+    p.add_argument("--work", default="/tmp/laminar-chaos")
+    args = p.parse_args(argv)
+    if args.short:
+        faults, duration = [(15.0, "rollout"), (35.0, "relay"), (55.0, "master")], 90.0
+    else:
+        faults, duration = schedule(args.duration, rollout_every=args.rollout_every, relay_every=args.relay_every,
+                                    master_at=args.master_at, learner_at=args.learner_at), args.duration
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(args.work, "jax-cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from laminar_jax.learner import sft
+    warm = load_config(os.path.join(ROOT, "configs/default.yaml"),
+                       [f"run.out_dir={args.work}", "run.name=warm", "data.task=arithmetic", "sft.steps=100",
+                        "sft.batch_size=32", "sft.seq_len=32", "run.log_every=100"])
+    model_dir = os.path.join(args.work, "warm", "sft_model")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        model_dir = sft.run(warm)["model_dir"]
+    env = {k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                                      "JAX_PLATFORMS")}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "include_dashboard": False})
+    cluster.add_node(num_cpus=8)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": env})
+    try:
+        report = run_chaos(model_dir, args.work, f"{args.name}-{int(time.time())}", duration_s=duration,
+                           faults=faults, rollouts=args.rollouts, latency_scale=args.latency_scale,
+                           window_s=args.window, quiet=False)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    report["command"] = "python experiments/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(report)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    with open(os.path.join(args.out, f"{args.name}.txt"), "w") as f:
+        f.write(f"{report['command']}  (work folder {args.work})\n{text}\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

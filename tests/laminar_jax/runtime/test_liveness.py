@@ -1,0 +1,114 @@
+"""Liveness: a run that cannot progress stops with a named error within a bound.
+
+`liveness.verdict` is fed the real reports (an in-process DataActor's `liveness()`, a manager
+report): prompts exhausted, every prompt rejected, no producer past manager.liveness_timeout_s
+(and a compiling rollout or a larger timeout holds it back). `run.ray_address` that nothing
+answers is an error within 15 s through `laminar train`. The end-to-end stop (prompts exhausted
+in a real run) is in test_security.py, whose run doubles as the socket audit.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from laminar_jax.config import load_config
+from laminar_jax.data.records import PromptRow, Trajectory
+from laminar_jax.runtime import cluster, liveness
+from laminar_jax.runtime.data_actor import DataActor
+
+G = 2
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _data(max_epochs=1, prompts=4):
+    rows = [PromptRow(f"q{i}", f"p{i}", "x", {}) for i in range(prompts)]
+    return DataActor(dict(rows=rows, group_size=G, shuffle=False, encode=lambda s: [3, 4], max_epochs=max_epochs),
+                     dict(capacity_groups=16), mode="laminar", global_batch=2, max_staleness=None)
+
+
+def _group(g):
+    return [Trajectory(g.group_id, g.prompt_id, i, "x", np.asarray([3, 4]), np.asarray([5]), np.zeros(1),
+                       np.zeros(1), np.zeros(1, np.int64), 0, 1.0, "stop") for i in range(G)]
+
+
+def _cfg(**keys):
+    return load_config("configs/default.yaml", [f"{k}={v}" for k, v in keys.items()])
+
+
+LIVE = {"live": ["x"], "restartable": True, "restarts": 0, "starting": []}
+
+
+def test_prompts_exhausted_is_an_error_once_nothing_is_in_flight():
+    data, cfg = _data(max_epochs=1), _cfg(**{"run.steps": 10, "learner.global_batch_groups": 2})
+    groups = data.issue(8, "x", 0)
+    assert len(groups) == 4                      # one pass of 4 prompts, then nothing
+    for g in groups[:3]:
+        assert data.deliver(_group(g))
+    assert data.sample(2, 0) and len(data.sample(2, 1)) == 0   # one batch consumed, one group left
+    # a group still in flight: it may yet complete a batch
+    assert liveness.verdict(data.liveness(), LIVE, 10.0, cfg=cfg, step=1, exhausted_for_s=10) is None
+    data.deliver(_group(groups[3]))
+    data.sample(2, 1)
+    live = data.liveness()
+    assert live["exhausted"] and live["in_flight"] == 0
+    assert liveness.verdict(live, LIVE, 10.0, cfg=cfg, step=2, exhausted_for_s=0.5) is None  # grace
+    why = liveness.verdict(live, LIVE, 10.0, cfg=cfg, step=2, exhausted_for_s=5)
+    assert why.startswith("prompts exhausted: data.max_epochs=1 passes over 4 prompts ended at step 2")
+    assert "raise data.max_epochs or lower run.steps" in why
+
+
+def test_every_prompt_rejected_is_an_error_naming_the_first_rejection():
+    data, cfg = _data(max_epochs=0), _cfg()
+    for g in data.issue(3, "x", 0):
+        data.reject(g.group_id, "prompt of 40 tokens exceeds the context")
+    assert liveness.verdict(data.liveness(), LIVE, 1.0, cfg=cfg, step=0) is None   # 3 of 4 so far
+    data.reject(data.issue(1, "x", 0)[0].group_id, "prompt of 40 tokens exceeds the context")
+    why = liveness.verdict(data.liveness(), LIVE, 1.0, cfg=cfg, step=0)
+    assert why.startswith("every prompt was rejected (4 groups, none generated)")
+    assert "e0-0: prompt of 40 tokens exceeds the context" in why
+
+
+@pytest.mark.parametrize("timeout_s, starting, stops", [(60, [], True), (60, ["x"], False), (600, [], False)])
+def test_no_producer_for_liveness_timeout_s_is_an_error(timeout_s, starting, stops):
+    data, cfg = _data(max_epochs=0), _cfg(**{"manager.liveness_timeout_s": timeout_s})
+    data.issue(2, "x", 0)
+    data.last_progress = time.time() - 90          # nothing delivered or streamed for 90 s
+    why = liveness.verdict(data.liveness(), dict(LIVE, starting=starting), 90.0, cfg=cfg, step=4)
+    assert (why is not None) == stops
+    if stops:
+        assert "manager.liveness_timeout_s=60" in why and "waited 90 s" in why
+
+
+def test_unreachable_ray_address_is_a_named_error_within_15_s():
+    t0 = time.time()
+    with pytest.raises(cluster.ClusterError, match=r"run.ray_address='127.0.0.1:1': no Ray cluster answers"):
+        cluster.check_reachable("127.0.0.1:1")
+    assert time.time() - t0 < 15
+    # through the CLI (Ray alone retries for minutes; the limit leaves room for a loaded machine's
+    # imports, which take most of the time here)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = ROOT
+    out = subprocess.run([sys.executable, "-m", "laminar_jax.cli", "train", "configs/default.yaml",
+                          "run.ray_address=127.0.0.1:1", "model.hf_path=/nonexistent-but-unused",
+                          "data.task=arithmetic"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert out.returncode != 0
+    assert "run.ray_address='127.0.0.1:1': no Ray cluster answers there" in out.stderr
+
+
+def test_event_limiter_writes_a_burst_per_kind_and_source_then_one_count():
+    from laminar_jax.runtime.events import EventLimiter
+    now, out = [0.0], []
+    lim = EventLimiter(lambda kind, **f: out.append((kind, f)), burst=3, window_s=10.0, clock=lambda: now[0])
+    for i in range(1000):                       # every prompt rejected, as fast as it can
+        lim("group_rejected", rollout="r0", group_id=f"e0-{i}")
+    lim("group_rejected", rollout="r1", group_id="x")   # another source has its own budget
+    now[0] = 11.0
+    lim("group_rejected", rollout="r0", group_id="late")
+    lim.flush()
+    kinds = [k for k, _ in out]
+    assert kinds.count("group_rejected") == 3 + 1 + 1
+    (sup,) = [f for k, f in out if k == "events_suppressed"]
+    assert sup == {"event": "group_rejected", "source": "r0", "count": 997, "window_s": 10.0}
