@@ -114,11 +114,20 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 def _with_resume_hint(run: Callable, cfg, args: Sequence[str]) -> int:
     """Run `laminar train`; a crash (or Ctrl-C) prints its traceback, then what the run folder
-    keeps and the exact command that resumes it. Exit code 1 (130 for Ctrl-C)."""
+    keeps and the exact command that resumes it. Exit code 1 (130 for Ctrl-C). A run that stopped
+    itself (a reward failing past reward.max_error_rate, a liveness stop) gets the hint and one
+    `error:` line, no traceback."""
     from laminar_jax.config_loader import ConfigError
+    from laminar_jax.rewards.health import RewardFailure
+    from laminar_jax.runtime.liveness import LivenessError
     try:
         run(cfg)
     except (_Usage, ConfigError):
+        raise
+    except (RewardFailure, LivenessError):
+        # the run stopped itself and says why (one line from `main`, no traceback): how to go on
+        from laminar_jax.runtime.run_folder import resume_hint
+        print(resume_hint(cfg, args), file=sys.stderr, flush=True)
         raise
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash gets the hint
         import traceback
@@ -190,12 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     from laminar_jax.config_loader import ConfigError
     from laminar_jax.rewards.health import RewardFailure
+    from laminar_jax.runtime.liveness import LivenessError
     try:
         return ns.handler(ns)
     except (_Usage, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except RewardFailure as e:  # the run stopped itself: one line, not a traceback
+    except (RewardFailure, LivenessError) as e:  # the run stopped itself: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
 

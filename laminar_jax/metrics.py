@@ -173,20 +173,12 @@ class RunWriter:
         """Record consumed trajectories given as columns {name: 1-D array}, all of one length.
 
         The vectorised form of `log_trajectories` for large batches (the simulator's ~1e5 rows
-        per cell): an Arrow table is built from the arrays and trajectories.parquet is rewritten
-        at once, with no per-value Python. Numeric and bool arrays only. A run folder uses
-        either this or `log_trajectories` (mixing them would make the whole-file rewrite at
-        flush drop one of them), so this raises when rows of the other kind are held.
-        Returns the number of rows written.
+        per cell): an Arrow table is built from the arrays and written as one part, with no
+        per-value Python. Numeric and bool arrays only. Returns the number of rows written.
         """
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         self._check_open()
-        if self._trajectories:
-            raise ValueError(f"RunWriter({self.run_dir}).log_trajectory_columns: the folder "
-                             f"already holds {len(self._trajectories)} log_trajectories rows; "
-                             "use one of the two per run folder")
         arrays, length = {}, None
         for name, values in columns.items():
             arr = np.asarray(values)
@@ -200,13 +192,8 @@ class RunWriter:
             arrays[str(name)] = pa.array(arr)
         if not arrays:
             return 0
-        table = pa.table(arrays)
-        path = self.run_dir / TRAJECTORIES_FILE
-        if path.is_file():
-            table = pa.concat_tables([pq.read_table(path), table], promote_options="default")
-        tmp = path.with_name(f".{path.name}.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        last = self.last_step
+        self._trajectories.write_table(pa.table(arrays), tag=0 if last is None else last)
         return int(length)
 
     def log_event(self, kind: str, **fields: Any) -> None:

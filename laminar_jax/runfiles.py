@@ -150,6 +150,28 @@ class PartLog:
         self._seq += 1
         self._rows, self._tags = [], []
 
+    def write_table(self, table: Any, tag: int) -> None:
+        """Buffered rows first, then an Arrow table as one part of its own (the columnar path:
+        no per-value Python); its rows are tagged `tag` unless it has a "step" column."""
+        import pyarrow.parquet as pq
+        if not table.num_rows:
+            return
+        self.flush()
+        steps = table.column("step").to_numpy() if "step" in table.column_names else None
+        first, last = (int(steps.min()), int(steps.max())) if steps is not None else (int(tag), int(tag))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"part-{self._seq:06d}-{first:08d}-{last:08d}.parquet"
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+        for f in table.schema:
+            kind = _arrow_kind(f.type)
+            if kind is not None:
+                self.kinds.setdefault(f.name, kind)
+        self._stored_rows += table.num_rows
+        self._stored_last = last if self._stored_last is None else max(self._stored_last, last)
+        self._seq += 1
+
     def rewind(self, step: int) -> None:
         keep = [i for i, t in enumerate(self._tags) if t < step]
         self._rows = [self._rows[i] for i in keep]

@@ -102,7 +102,7 @@ class RelaySource(WeightSource):
     def _watch(self) -> None:
         """Long-polls the relay for the next served version and records its number; a failing
         relay (dead, restarting, not registered yet) is looked up again every retry_s."""
-        while True:
+        while ray.is_initialized():   # never auto-start a Ray of its own after a shutdown
             try:
                 relay = self._handle()
                 self.rpcs += 1

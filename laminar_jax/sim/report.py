@@ -19,6 +19,7 @@ import dataclasses
 import math
 import operator
 import pathlib
+import shutil
 
 import numpy as np
 
@@ -162,7 +163,8 @@ def trajectory_columns(sim) -> dict[str, np.ndarray]:
     }
 
 
-_RUN_FILES = ("metrics.parquet", "trajectories.parquet", "events.jsonl")
+_RUN_FILES = ("metrics.parquet", "trajectories.parquet", "events.jsonl")   # and the part folders
+_RUN_DIRS = ("metrics", "trajectories")
 
 
 def write_run(sim, run_dir: str | pathlib.Path, *, tensorboard: bool = True,
@@ -170,8 +172,7 @@ def write_run(sim, run_dir: str | pathlib.Path, *, tensorboard: bool = True,
     """Write one simulated cell as a run folder; returns its summary.
 
     mode "full": metrics, every consumed trajectory, every event and KV sample. "summary":
-    metrics.parquet, config and the final summary event only (no trajectories.parquet, no
-    per-event lines). A folder left by an earlier simulation of the same cell is replaced
+    metrics, config and the final summary event only (no trajectories, no per-event lines). A folder left by an earlier simulation of the same cell is replaced
     (its files, not the folder), so re-running a scenario does not append to old rows.
     """
     from laminar_jax.metrics import RunWriter
@@ -181,6 +182,8 @@ def write_run(sim, run_dir: str | pathlib.Path, *, tensorboard: bool = True,
     run_dir = pathlib.Path(run_dir)
     for name in _RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
+    for name in _RUN_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
     config = {"sim": dump_config(sim.cfg), "cell": dataclasses.asdict(sim.cell),
               "system": dataclasses.asdict(sim.system)}
     result = cell_result(sim, str(run_dir))

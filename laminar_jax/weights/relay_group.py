@@ -285,7 +285,8 @@ class RelayGroup:
         goes, so a dead master is replaced in about the time Ray takes to notice, not a period."""
         def loop() -> None:
             watches: dict[str, Any] = {}
-            while not self._monitor_stop.is_set():
+            # a group never shut down (a test) must not auto-start a Ray of its own after ray.shutdown
+            while not self._monitor_stop.is_set() and ray.is_initialized():
                 with self._lock:
                     for node in self.order:
                         if node not in watches:

@@ -24,4 +24,4 @@ def test_a_broken_reward_stops_laminar_train_with_its_traceback(cluster, warm_mo
     assert "Traceback" in out and "RuntimeError: this reward is broken" in out
     (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
     assert line.startswith(f"error: reward.fn '{spec}': ") and "> reward.max_error_rate=0.5; raised " in line
-    assert "step   20/20" not in out  # stopped early
+    assert "step   19/19" not in out  # stopped early (steps print 0-based, as the metrics)

@@ -79,6 +79,7 @@ def test_a_run_listens_on_loopback_only_and_stops_when_prompts_run_out(warm_mode
     # the liveness stop, with the key to change, after two steps' worth of prompts
     assert proc.returncode != 0
     assert "laminar train stopped: prompts exhausted: data.max_epochs=1 passes over 8 prompts" in stderr, stderr[-3000:]
-    assert "step    2/10" in stdout, stdout[-2000:]
+    assert "step    1/9" in stdout, stdout[-2000:]   # steps 0 and 1 ran (0-based, as the metrics)
+    assert "Traceback" not in stderr and "error: laminar train stopped: prompts exhausted" in stderr
     events = [json.loads(line) for line in open(tmp_path / "audit" / "events.jsonl")]
     assert not any("token" in k for e in events for k in e), "an event carries a token field"

@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from laminar_jax.analysis import load_run
 from laminar_jax.manager import modes
 from laminar_jax.metrics import RunWriter
 from laminar_jax.sim import report
@@ -42,7 +43,7 @@ def test_columns_equal_the_per_row_reference(tmp_path):
                                   "workload.response.sigma": 0.5})
     sim = Sim(cfg, cfg.cells[0]).run()
     report.write_run(sim, tmp_path / "a", tensorboard=False)
-    got = pd.read_parquet(tmp_path / "a" / "trajectories.parquet")
+    got = load_run(tmp_path / "a").trajectories
     want = pd.DataFrame.from_records(reference_rows(sim))
     assert list(got.columns) == list(want.columns)
     assert (got["tool_calls"] > 0).any()
@@ -51,7 +52,7 @@ def test_columns_equal_the_per_row_reference(tmp_path):
     assert hist == dict(sorted(want["staleness"].value_counts().items()))
     # a second write of the same cell replaces the folder's rows instead of appending
     report.write_run(sim, tmp_path / "a", tensorboard=False)
-    assert len(pd.read_parquet(tmp_path / "a" / "trajectories.parquet")) == len(want)
+    assert len(load_run(tmp_path / "a").trajectories) == len(want)
 
 
 def test_log_trajectory_columns_checks_its_input(tmp_path):
@@ -62,11 +63,11 @@ def test_log_trajectory_columns_checks_its_input(tmp_path):
             w.log_trajectory_columns({"a": np.arange(3), "b": np.ones(2)})
         with pytest.raises(ValueError, match="1-D numeric"):
             w.log_trajectory_columns({"a": np.array(["x"])})
-    assert pd.read_parquet(tmp_path / "w" / "trajectories.parquet")["a"].tolist() == [0, 1, 2, 0, 1]
-    with RunWriter(tmp_path / "w2", tensorboard=False) as w:
-        w.log_trajectories([{"a": 1}])
-        with pytest.raises(ValueError, match="use one of the two"):
-            w.log_trajectory_columns({"a": np.arange(3)})
+    assert load_run(tmp_path / "w").trajectories["a"].tolist() == [0, 1, 2, 0, 1]
+    with RunWriter(tmp_path / "w2", tensorboard=False) as w:  # rows and columns mix: parts in order
+        w.log_trajectories([{"a": 7}])
+        w.log_trajectory_columns({"a": np.arange(3)})
+    assert load_run(tmp_path / "w2").trajectories["a"].tolist() == [7, 0, 1, 2]
 
 
 def test_write_levels(tmp_path):
@@ -75,8 +76,8 @@ def test_write_levels(tmp_path):
         c = dataclasses.replace(cfg, name=level, run=dataclasses.replace(cfg.run, write=level))
         simulate(c)
     full, summ = tmp_path / "full" / "lam_3", tmp_path / "summary" / "lam_3"
-    assert (full / "trajectories.parquet").is_file() and (full / "metrics.parquet").is_file()
-    assert (summ / "metrics.parquet").is_file() and not (summ / "trajectories.parquet").exists()
+    assert len(load_run(full).trajectories) > 0 and len(load_run(full).metrics) > 0
+    assert len(load_run(summ).metrics) > 0 and len(load_run(summ).trajectories) == 0
     kinds = [json.loads(x)["kind"] for x in (summ / "events.jsonl").read_text().splitlines()]
     assert kinds == ["summary"]
     assert len((full / "events.jsonl").read_text().splitlines()) > 1
