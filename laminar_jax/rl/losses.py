@@ -47,6 +47,15 @@ def _aux(low=None, high=None, dual=None, like=None):
             "clipped_dual": z if dual is None else dual.astype(jnp.float32)}
 
 
+
+def _dual_clip(loss, adv, m, c):
+    """Dual-clip (Ye et al., arXiv 1912.09729): for A < 0, L = min(L, c |A|); (loss, capped tokens
+    or None when c is None)."""
+    if c is None:
+        return loss, None
+    cap = -adv * c
+    return jnp.where(adv < 0, jnp.minimum(loss, cap), loss), (m > 0) & (adv < 0) & (loss > cap)
+
 def _clipped_objective(ratio, adv, m, eps_low, eps_high):
     """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) and its low/high clip indicators."""
     unclipped = -adv * ratio
@@ -67,11 +76,7 @@ def ppo_clip(learner_logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
     """
     m, adv, d = _prepare(learner_logp, old_logp, advantages, mask)
     loss, low, high = _clipped_objective(safe_exp(d), adv, m, eps_low, eps_high)
-    dual = None
-    if dual_clip_c is not None:
-        cap = -adv * dual_clip_c
-        dual = (m > 0) & (adv < 0) & (loss > cap)
-        loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
+    loss, dual = _dual_clip(loss, adv, m, dual_clip_c)
     return masked(loss, m), _aux(low, high, dual, like=m)
 
 
@@ -179,11 +184,7 @@ def dppo(learner_logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
     high = (m > 0) & (adv > 0) & (dp > eps_high)
     low = (m > 0) & (adv < 0) & (dp < -eps_low)
     loss = jnp.where(high | low, 0.0, -adv * safe_exp(d))
-    dual = None
-    if dual_clip_c is not None:
-        cap = -adv * dual_clip_c
-        dual = (m > 0) & (adv < 0) & (loss > cap)
-        loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
+    loss, dual = _dual_clip(loss, adv, m, dual_clip_c)
     return masked(loss, m), _aux(low, high, dual, like=m)
 
 
