@@ -28,9 +28,10 @@ from flax import nnx
 
 from laminar_jax.models.config import DecoderConfig
 from laminar_jax.models.decoder import from_params
-from laminar_jax.models.hf import hf_to_params, load_pretrained
+from laminar_jax.models.hf import load_pretrained
 from rollout import engine as E
 from rollout.jax_steps import make_step_fns
+from rollout.jax_weights import WeightPlan
 
 
 def _pow2_bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -90,6 +91,7 @@ class JaxEngine:
         self.min_rows, self.min_window_pages = int(min_rows), int(min_window_pages)
         self.weight_version = int(weight_version)
         self._graphdef, self._params = nnx.split(from_params(cfg, params), nnx.Param)
+        self._weight_plan = WeightPlan(cfg, nnx.to_pure_dict(self._params))  # version switches
         shape = (cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         self._k = jnp.zeros(shape, jnp.dtype(cfg.dtype))
         self._v = jnp.zeros(shape, jnp.dtype(cfg.dtype))
@@ -154,10 +156,9 @@ class JaxEngine:
         on with the new weights from their next token (their cached K/V stay as computed); the
         per-token `versions` record the switch.
         """
-        tree = hf_to_params(self.cfg, tensors, source=f"load_weights(version={version})",
-                            dtype=self.cfg.param_dtype)
+        tree = self._weight_plan.load(tensors, where=f"load_weights(version={version})")  # rollout.jax_weights
         new = jax.tree.map(lambda x: x, self._params)
-        nnx.replace_by_pure_dict(new, jax.tree.map(jnp.asarray, tree))
+        nnx.replace_by_pure_dict(new, tree)
         self._params = new
         self.weight_version = int(version)
 

@@ -1,0 +1,154 @@
+"""In-place version switches of the JAX engine: HF-named relay views -> the engine's param leaves.
+
+`WeightPlan(cfg, params)` is computed once per engine from the model's single name map
+(`laminar_jax.models.hf.name_map`). Per HF tensor it keeps the destination leaf, the layer slot
+on the stacked `layers` axis, and whether the copy transposes. A switch then
+
+1. checks every name and shape first (a missing, unexpected or mis-shaped tensor raises
+   ValueError naming it, and the engine keeps its weights);
+2. writes each tensor once, straight into a fresh host buffer of its leaf's final shape and
+   dtype (`np.copyto` into the layer's slot, reshaped to 2-D: a plain copy for embeddings,
+   norms and biases, one transposed copy for the projection kernels; a dtype cast, if the relay
+   serves another dtype, happens in the same pass);
+3. moves each leaf to the device with one `jax.device_put`, onto the current leaf's sharding.
+
+So a switch reads the relay's views once and writes each weight twice (host buffer, device):
+no intermediate per-tensor arrays, no `np.stack`, no `jnp.asarray` conversions (the earlier path,
+`hf_to_params` + `jnp.asarray`, made ~40 plain copies' worth of traffic on the 100m preset;
+`experiments/bench_engine.py --switches`). The transposes stay: the relay serves the Hugging
+Face layout vLLM loads, and the decoder's kernels are [in, heads, head_dim]; a transposed copy
+costs a few plain copies on a CPU. A fresh host buffer per switch, because the arrays a
+running step holds must not change under it, and because the relay's mapped buffer is reused for
+later versions (aliasing it would let a version change under the engine).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from laminar_jax.models.config import DecoderConfig
+from laminar_jax.models.hf import _IGNORED_SUFFIXES, name_map, np_dtype
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one HF tensor goes: leaf path, layer (None: unstacked), the 2-D view of the
+    destination slot it is copied into, and whether the copy transposes the HF tensor."""
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    path: tuple[str, ...]
+    layer: int | None
+    dst_2d: tuple[int, ...]
+    transpose: bool
+
+
+def _slot(entry, leaf_shape: tuple[int, ...]) -> _Slot:
+    """The copy for one name-map entry, read off its (exact) `from_hf` transform on a probe:
+    a transform is a transpose or a reshape (hf.py), so comparing one index tells which."""
+    slot_shape = leaf_shape[1:] if entry.layer is not None else leaf_shape
+    if len(entry.hf_shape) == 2:
+        probe = np.arange(int(np.prod(entry.hf_shape))).reshape(entry.hf_shape)
+        got = np.asarray(entry.from_hf(probe))
+        if got.shape != slot_shape:
+            raise ValueError(f"weight plan: {entry.hf_name!r} maps to shape {got.shape}, the leaf "
+                             f"{'/'.join(entry.path)} slot is {slot_shape}")
+        flat = got.reshape(-1)
+        if np.array_equal(flat, probe.reshape(-1)):
+            return _Slot(entry.hf_name, entry.hf_shape, entry.path, entry.layer, entry.hf_shape, False)
+        if np.array_equal(flat, probe.T.reshape(-1)):
+            return _Slot(entry.hf_name, entry.hf_shape, entry.path, entry.layer, entry.hf_shape[::-1], True)
+        raise ValueError(f"weight plan: {entry.hf_name!r}: transform is neither a reshape nor a transpose")
+    return _Slot(entry.hf_name, entry.hf_shape, entry.path, entry.layer, (int(np.prod(entry.hf_shape)),), False)
+
+
+TILE = 256  # square tiles of a transposed copy: a tile pair stays in cache (numpy's own strided
+            # `dst[...] = src.T` streams one side with a cache miss per element: ~2x slower here)
+
+
+def _transpose_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[:] = src.T (cast to dst's dtype), tile by tile."""
+    rows, cols = src.shape
+    for i in range(0, rows, TILE):
+        for j in range(0, cols, TILE):
+            np.copyto(dst[j:j + TILE, i:i + TILE], src[i:i + TILE, j:j + TILE].T, casting="unsafe")
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array at a 64-byte aligned address: on the CPU backend `jax.device_put`
+    then aliases it instead of copying (checked in tests/rollout/test_jax_weights.py)."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _get(tree: Mapping, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+class WeightPlan:
+    """`WeightPlan(cfg, leaves)`: `leaves` is the engine's params pure dict (shapes, dtypes and
+    shardings of the leaves to fill). `plan.load(tensors, where=...)` returns a new pure dict of
+    device arrays from HF-named tensors, or raises ValueError before anything is written."""
+
+    def __init__(self, cfg: DecoderConfig, leaves: Mapping):
+        self.cfg = cfg
+        self.slots = [_slot(e, tuple(_get(leaves, e.path).shape)) for e in name_map(cfg)]
+        self.leaves = {s.path: (tuple(_get(leaves, s.path).shape), np_dtype(_get(leaves, s.path).dtype),
+                                getattr(_get(leaves, s.path), "sharding", None)) for s in self.slots}
+        self._shapes = {s.hf_name: s.hf_shape for s in self.slots}
+
+    def check(self, tensors: Mapping[str, np.ndarray], where: str) -> None:
+        """ValueError naming the first missing, unexpected or mis-shaped tensor."""
+        missing = [n for n in self._shapes if n not in tensors]
+        if missing:
+            raise ValueError(f"{where}: missing tensor {missing[0]!r} (expected shape {self._shapes[missing[0]]})"
+                             + (f" ({len(missing)} missing in all)" if len(missing) > 1 else ""))
+        for name, value in tensors.items():
+            if name not in self._shapes:
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    # a tied head stored explicitly is accepted only if it is the embedding
+                    if np.array_equal(np.asarray(value), np.asarray(tensors["model.embed_tokens.weight"])):
+                        continue
+                    raise ValueError(f"{where}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' "
+                                     "but the config has tie_word_embeddings=true")
+                raise ValueError(f"{where}: unexpected tensor {name!r} (shape {tuple(np.shape(value))}) "
+                                 f"for a {self.cfg.arch} model")
+            if tuple(np.shape(value)) != self._shapes[name]:
+                raise ValueError(f"{where}: tensor {name!r} has shape {tuple(np.shape(value))}, "
+                                 f"expected {self._shapes[name]}")
+
+    def host(self, tensors: Mapping[str, np.ndarray]) -> dict[tuple[str, ...], np.ndarray]:
+        """Each leaf as one fresh host array, every tensor written once into its slot."""
+        out = {path: _aligned_empty(shape, dtype) for path, (shape, dtype, _) in self.leaves.items()}
+        for s in self.slots:
+            dst = out[s.path] if s.layer is None else out[s.path][s.layer]
+            src = np.asarray(tensors[s.hf_name])
+            if s.transpose:
+                _transpose_into(dst.reshape(s.dst_2d), src)
+            else:
+                np.copyto(dst.reshape(s.dst_2d), src.reshape(s.dst_2d), casting="unsafe")
+        return out
+
+    def load(self, tensors: Mapping[str, np.ndarray], *, where: str) -> dict:
+        """Checked, assembled on the host, one device_put per leaf: the new params pure dict."""
+        self.check(tensors, where)
+        tree: dict = {}
+        for path, value in self.host(tensors).items():
+            sharding = self.leaves[path][2]
+            _set(tree, path, jax.device_put(value, sharding) if sharding is not None else jax.device_put(value))
+        return tree
