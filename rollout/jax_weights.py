@@ -10,7 +10,8 @@ on the stacked `layers` axis, and whether the copy transposes. A switch then
    dtype (`np.copyto` into the layer's slot, reshaped to 2-D: a plain copy for embeddings,
    norms and biases, one transposed copy for the projection kernels; a dtype cast, if the relay
    serves another dtype, happens in the same pass);
-3. moves each leaf to the device with one `jax.device_put`, onto the current leaf's sharding.
+3. moves each leaf to the device with one `jax.device_put` (onto the current leaf's sharding when
+   that spans several devices; on the CPU backend the aligned host buffer is aliased, no copy).
 
 So a switch reads the relay's views once and writes each weight twice (host buffer, device):
 no intermediate per-tensor arrays, no `np.stack`, no `jnp.asarray` conversions (the earlier path,
@@ -86,6 +87,14 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def _spread(leaf):
+    """The leaf's sharding when it spans several devices, else None: a single-device leaf is
+    put uncommitted (as `jnp.asarray` made it), so the jitted steps' cache keys do not change and
+    a switch never recompiles."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
+
+
 def _get(tree: Mapping, path: tuple[str, ...]):
     for key in path:
         tree = tree[key]
@@ -107,7 +116,7 @@ class WeightPlan:
         self.cfg = cfg
         self.slots = [_slot(e, tuple(_get(leaves, e.path).shape)) for e in name_map(cfg)]
         self.leaves = {s.path: (tuple(_get(leaves, s.path).shape), np_dtype(_get(leaves, s.path).dtype),
-                                getattr(_get(leaves, s.path), "sharding", None)) for s in self.slots}
+                                _spread(_get(leaves, s.path))) for s in self.slots}
         self._shapes = {s.hf_name: s.hf_shape for s in self.slots}
 
     def check(self, tensors: Mapping[str, np.ndarray], where: str) -> None:
