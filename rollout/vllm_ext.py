@@ -2,10 +2,11 @@
 
 Methods run inside vLLM's worker (`self` is the worker) through `engine.collective_rpc(name, ...)`:
 
-- `update_weights_from_arrays(arrays)`: Hugging Face-named numpy arrays (in-process engines: the
-  arguments are not serialised), wrapped as torch tensors without a copy (`to_torch`: read-only
-  views of a relay's mapped buffer included; bfloat16 through its bits) and loaded with the
-  worker's `reload_weights`, which copies them into vLLM's parameters.
+- `update_weights_from_arrays(arrays, direct=True)`: Hugging Face-named numpy arrays (in-process
+  engines: the arguments are not serialised), wrapped as torch tensors without a copy
+  (`to_torch`: read-only views of a relay's mapped buffer included; bfloat16 through its bits)
+  and copied straight into vLLM's parameters (`rollout.vllm_weights.load_in_place`); what that
+  cannot place, or everything with `direct=False`, goes through the worker's `reload_weights`.
 - `update_weights_from_bytes(blob)`: Hugging Face-named tensors as safetensors bytes, loaded with
   the worker's `reload_weights` (layerwise reload that re-runs vLLM-CPU's weight prepacking;
   `model.load_weights` after startup fails on CPU). Bytes, because torch tensors do not survive
@@ -68,10 +69,18 @@ def to_torch(array):
 class RolloutWorkerExtension:
     """Mixed into vLLM's worker class by `worker_extension_cls`."""
 
-    def update_weights_from_arrays(self, arrays) -> int:
-        self.reload_weights(weights_iterator=[(n, to_torch(a)) for n, a in arrays.items()],
-                            is_checkpoint_format=True)
-        return len(arrays)
+    def update_weights_from_arrays(self, arrays, direct: bool = True) -> int:
+        """Load HF-named numpy arrays; returns how many went the direct way (`rollout.vllm_weights`),
+        the rest (all of them with `direct=False`) through `reload_weights`."""
+        tensors = {n: to_torch(a) for n, a in arrays.items()}
+        left = tensors
+        if direct:
+            from rollout.vllm_weights import load_in_place
+            left = load_in_place(self.model_runner.get_model(), tensors,
+                                 tp_size=self.vllm_config.parallel_config.tensor_parallel_size)
+        if left:
+            self.reload_weights(weights_iterator=list(left.items()), is_checkpoint_format=True)
+        return len(tensors) - len(left)
 
     def update_weights_from_bytes(self, blob: bytes) -> int:
         import safetensors.torch

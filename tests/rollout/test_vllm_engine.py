@@ -50,6 +50,7 @@ def test_in_place_loads_write_no_weight_file_and_take_read_only_views(engine, ch
     assert not any(v.flags.writeable for v in views.values())
     p = prompt(80, 9)
     engine.load_weights(views, version=3)
+    assert engine.last_load_direct == len(engine._expected), "every tensor copied straight into its parameter"
     out = E.run_to_completion(engine, [E.Request("v3", p, E.SamplingParams(temperature=0.0, max_new_tokens=8))])
     assert out["v3"].response_tokens.tolist() == references[1].greedy(p, 8)
     engine.load_weights(hf_tensors(checkpoint_dirs[0]), version=4)
