@@ -6,8 +6,8 @@ on the stacked `layers` axis, and whether the copy transposes. A switch then
 
 1. checks every name and shape first (a missing, unexpected or mis-shaped tensor raises
    ValueError naming it, and the engine keeps its weights);
-2. writes each tensor once, straight into a fresh host buffer of its leaf's final shape and
-   dtype (`np.copyto` into the layer's slot, reshaped to 2-D: a plain copy for embeddings,
+2. writes each tensor once, straight into a host buffer of its leaf's final shape and
+   dtype (two sets, used in turn: `WeightPlan.host`) (`np.copyto` into the layer's slot, reshaped to 2-D: a plain copy for embeddings,
    norms and biases, one transposed copy for the projection kernels; a dtype cast, if the relay
    serves another dtype, happens in the same pass);
 3. moves each leaf to the device with one `jax.device_put` (onto the current leaf's sharding when
@@ -18,9 +18,8 @@ no intermediate per-tensor arrays, no `np.stack`, no `jnp.asarray` conversions (
 `hf_to_params` + `jnp.asarray`, made ~40 plain copies' worth of traffic on the 100m preset;
 `experiments/bench_engine.py --switches`). The transposes stay: the relay serves the Hugging
 Face layout vLLM loads, and the decoder's kernels are [in, heads, head_dim]; a transposed copy
-costs a few plain copies on a CPU. A fresh host buffer per switch, because the arrays a
-running step holds must not change under it, and because the relay's mapped buffer is reused for
-later versions (aliasing it would let a version change under the engine).
+costs a few plain copies on a CPU. The relay's views themselves are never aliased: the relay
+reuses its mapped buffer for later versions, which would change the weights under the engine.
 """
 from __future__ import annotations
 
@@ -118,6 +117,8 @@ class WeightPlan:
         self.leaves = {s.path: (tuple(_get(leaves, s.path).shape), np_dtype(_get(leaves, s.path).dtype),
                                 _spread(_get(leaves, s.path))) for s in self.slots}
         self._shapes = {s.hf_name: s.hf_shape for s in self.slots}
+        self._sets: list[dict | None] = [None, None]   # host buffers, used in turn (see `host`)
+        self._turn = 0
 
     def check(self, tensors: Mapping[str, np.ndarray], where: str) -> None:
         """ValueError naming the first missing, unexpected or mis-shaped tensor."""
@@ -142,8 +143,19 @@ class WeightPlan:
                                  f"expected {self._shapes[name]}")
 
     def host(self, tensors: Mapping[str, np.ndarray]) -> dict[tuple[str, ...], np.ndarray]:
-        """Each leaf as one fresh host array, every tensor written once into its slot."""
-        out = {path: _aligned_empty(shape, dtype) for path, (shape, dtype, _) in self.leaves.items()}
+        """Each leaf as one host array, every tensor written once into its slot.
+
+        Two sets of buffers, used in turn: on CPU the device arrays alias them, so the set being
+        written must not be the one the engine's live params use (the other set, or the
+        constructor's arrays); a set is reused two switches later, when nothing refers to its
+        arrays any more (`JaxEngine.load_weights` replaces the params, steps are synchronous).
+        Reusing memory matters: first-touch page faults of a fresh 400 MB cost ~2.7 plain
+        copies on this VM."""
+        out = self._sets[self._turn]
+        if out is None:
+            out = {path: _aligned_empty(shape, dtype) for path, (shape, dtype, _) in self.leaves.items()}
+            self._sets[self._turn] = out
+        self._turn = 1 - self._turn
         for s in self.slots:
             dst = out[s.path] if s.layer is None else out[s.path][s.layer]
             src = np.asarray(tensors[s.hf_name])
@@ -160,4 +172,5 @@ class WeightPlan:
         for path, value in self.host(tensors).items():
             sharding = self.leaves[path][2]
             _set(tree, path, jax.device_put(value, sharding) if sharding is not None else jax.device_put(value))
-        return tree
+        # done reading the host set (an accelerator's copy is asynchronous) before it can be reused
+        return jax.block_until_ready(tree)

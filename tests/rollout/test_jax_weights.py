@@ -72,3 +72,18 @@ def test_cpu_device_put_aliases_the_one_host_copy():
     for leaf in host.values():
         assert leaf.ctypes.data % 64 == 0
         assert jax.device_put(leaf).unsafe_buffer_pointer() == leaf.ctypes.data
+
+
+def test_consecutive_switches_never_write_the_live_params():
+    """Host buffers are reused in turn: a load never writes the arrays the previous load returned
+    (the engine's live params on CPU alias them)."""
+    cfg, params = _model()
+    plan = WeightPlan(cfg, params)
+    versions = [jax.tree.map(lambda x, k=k: (x + k).astype(x.dtype), params) for k in range(3)]
+    live = None
+    for k, tree in enumerate(versions):
+        got = plan.load(_relay_views(params_to_hf(cfg, tree)), where="t")
+        if live is not None:  # the previous version's arrays are untouched by this load
+            jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), live, versions[k - 1])
+        jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), got, tree)
+        live = got
