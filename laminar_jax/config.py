@@ -164,6 +164,10 @@ class LearnerConfig:
     up to a length bucket: min_bucket * 2^k, capped at max_seq_len (runtime.batch).
     remat: jax.checkpoint policy per decoder block (models.decoder.REMAT_POLICIES).
     precompile: compile every bucket's train step in the background at start-up.
+    memory_fraction: null (JAX's defaults) or the share of its accelerator's memory the learner
+    preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_PREALLOCATE=true in the learner
+    actor's environment). With one learner device it is also the learner's Ray GPU share, so a
+    vLLM rollout with a fractional GPU can sit on the same GPU (their memory must sum to <= 1).
     """
 
     global_batch_groups: int = 8
@@ -177,8 +181,11 @@ class LearnerConfig:
     remat: Literal["none", "block", "dots_saveable", "dots_with_no_batch_dims_saveable",
                    "offload_dots"] = "none"
     precompile: bool = True
+    memory_fraction: float | None = None
 
     def __post_init__(self):
+        _require(self.memory_fraction is None or 0 < self.memory_fraction <= 1, "memory_fraction",
+                 self.memory_fraction, "null or a fraction in (0, 1]")
         _at_least(self, 1, "global_batch_groups", "mini_batches", "max_seq_len", "logprob_chunk",
                   "min_bucket")
         _at_least(self, 0, "micro_batch_size")
@@ -213,6 +220,20 @@ class SftConfig:
 Engine = Literal["jax", "vllm"]
 
 
+def _fraction_or_null(obj, name: str) -> None:
+    v = getattr(obj, name)
+    _require(v is None or 0 < v <= 1, name, v, "null or a fraction in (0, 1]")
+
+
+def vllm_memory_share(pool: "PoolConfig") -> float | None:
+    """The share of a GPU's memory a vLLM rollout of `pool` (resolved) takes: its
+    gpu_memory_utilization, else a fractional accelerators_per_rollout, else None (vLLM's default)."""
+    if pool.gpu_memory_utilization is not None:
+        return pool.gpu_memory_utilization
+    a = pool.accelerators_per_rollout or 0.0
+    return float(a) if 0 < a < 1 else None
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """One pool of identical rollouts (an item of `rollout.pools`).
@@ -220,7 +241,8 @@ class PoolConfig:
     A field left null takes the `rollout.*` value of the same name (the short form's), so a pool
     lists only what differs. name: a label for metrics, events and trajectories (default
     "pool<i>"). accelerators_per_rollout: Ray GPU/TPU resources of each rollout of the pool
-    (vLLM's tensor_parallel_size is its whole part, at least 1).
+    (vLLM's tensor_parallel_size is its whole part, at least 1). gpu_memory_utilization: vLLM's
+    share of each GPU's memory (null: the fractional accelerators_per_rollout, else vLLM's default).
     """
 
     name: str | None = None
@@ -229,9 +251,11 @@ class PoolConfig:
     accelerators_per_rollout: float | None = None
     max_concurrency: int | None = None
     kv_budget_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self):
         _non_empty(self, "name")
+        _fraction_or_null(self, "gpu_memory_utilization")
         _at_least(self, 1, "num_rollouts")
         for name in ("max_concurrency", "kv_budget_tokens"):
             v = getattr(self, name)
@@ -247,7 +271,8 @@ class RolloutConfig:
     temperature 0 is greedy; top_k 0 disables top-k. engine: "jax" (the embedded JAX engine) or
     "vllm" (needs the vllm extra). kv_budget_tokens: KV-cache capacity of one rollout's engine in
     tokens (the repack plan's KV use is relative to it). accelerators_per_rollout: Ray GPU/TPU
-    resources each worker asks for (0 on CPU).
+    resources each worker asks for (0 on CPU). gpu_memory_utilization: vLLM's share of each GPU's
+    memory (null: a fractional accelerators_per_rollout, else vLLM's default).
 
     pools: several pools of rollouts in one run, e.g. vLLM rollouts on GPU nodes next to JAX
     rollouts (`PoolConfig`); empty = one pool made of the keys above (the short form). With pools,
@@ -264,9 +289,11 @@ class RolloutConfig:
     top_k: int = 0
     kv_budget_tokens: int = 8192
     accelerators_per_rollout: float = 0.0
+    gpu_memory_utilization: float | None = None
     pools: tuple[PoolConfig, ...] = ()
 
     def __post_init__(self):
+        _fraction_or_null(self, "gpu_memory_utilization")
         _at_least(self, 1, "num_rollouts", "max_concurrency", "max_new_tokens", "kv_budget_tokens")
         _at_least(self, 0, "top_k")
         _non_negative(self, "temperature", "accelerators_per_rollout")
@@ -285,11 +312,13 @@ class RolloutConfig:
         if not self.pools:
             return (PoolConfig(name="pool0", engine=self.engine, num_rollouts=self.num_rollouts,
                                accelerators_per_rollout=self.accelerators_per_rollout,
-                               max_concurrency=self.max_concurrency, kv_budget_tokens=self.kv_budget_tokens),)
+                               max_concurrency=self.max_concurrency, kv_budget_tokens=self.kv_budget_tokens,
+                               gpu_memory_utilization=self.gpu_memory_utilization),)
         out = []
         for i, p in enumerate(self.pools):
             fill = {k: getattr(self, k) for k in ("engine", "accelerators_per_rollout", "max_concurrency",
-                                                 "kv_budget_tokens") if getattr(p, k) is None}
+                                                 "kv_budget_tokens", "gpu_memory_utilization")
+                    if getattr(p, k) is None}
             out.append(dataclasses.replace(p, name=p.name or f"pool{i}", **fill))
         return tuple(out)
 
@@ -307,7 +336,8 @@ class RolloutConfig:
         return dataclasses.replace(self, engine=pool.engine, num_rollouts=pool.num_rollouts,
                                    accelerators_per_rollout=pool.accelerators_per_rollout,
                                    max_concurrency=pool.max_concurrency,
-                                   kv_budget_tokens=pool.kv_budget_tokens, pools=())
+                                   kv_budget_tokens=pool.kv_budget_tokens,
+                                   gpu_memory_utilization=pool.gpu_memory_utilization, pools=())
 
 
 @dataclass(frozen=True)
@@ -503,6 +533,18 @@ class Config:
     advantage: AdvantageSpec = field(default_factory=AdvantageSpec)
 
     def __post_init__(self):
+        frac = self.learner.memory_fraction
+        for i, pool in enumerate(self.rollout.pools_resolved()):
+            # a fractional-GPU vLLM rollout may share the learner's GPU: their memory must fit in it
+            share, a = vllm_memory_share(pool), pool.accelerators_per_rollout or 0.0
+            if frac is None or pool.engine != "vllm" or not 0 < a < 1 or share is None:
+                continue
+            key = "rollout" if not self.rollout.pools else f"rollout.pools[{i}]"
+            what = (f"{key}.gpu_memory_utilization={share:g}" if pool.gpu_memory_utilization is not None
+                    else f"{key}.accelerators_per_rollout={a:g}")
+            _require(frac + share <= 1 + 1e-9, "learner.memory_fraction", frac,
+                     f"a fraction that leaves room for {what} of the vLLM rollout sharing its GPU "
+                     f"(their sum {frac + share:g} > 1)")
         opt = self.optimizer
         _require(opt.schedule == "constant" or opt.warmup_steps < self.run.steps,
                  "optimizer.warmup_steps", opt.warmup_steps,

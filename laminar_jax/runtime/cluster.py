@@ -89,7 +89,8 @@ def check_resources(cfg: Any, learner_devices: int) -> dict[str, Any]:
     kind = accelerator_kind()
     res = ray.cluster_resources()
     have = res.get(kind or "GPU", 0.0)
-    learner = float(learner_devices) if kind else 0.0
+    frac = cfg.learner.memory_fraction  # one learner device: its memory share is its GPU share too
+    learner = (frac if frac is not None and learner_devices == 1 else float(learner_devices)) if kind else 0.0
     per_node = max((n["Resources"].get(kind or "GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
     used, need = learner, {}
     short = not cfg.rollout.pools

@@ -1,7 +1,7 @@
 """Building a rollout's engine and tokenizer from the config (picklable factories for actors).
 
-`EngineFactory(cfg, model_dir)(tensors, version)` makes the JAX continuous-batching engine on
-the first weights a rollout pulls; `latency` wraps it so every step takes at least the decode
+`EngineFactory(cfg, model_dir)(tensors, version)` makes the rollout's engine (`rollout.engine`:
+the JAX continuous-batching engine or vLLM) on the first weights a rollout pulls; `latency` wraps it so every step takes at least the decode
 latency a `sim.models.DecodeModel` gives for its batch, plus the prefill of what it admits
 (experiments/compare_modes.py: emulated accelerator-bound rollouts, every token still real).
 """
@@ -134,13 +134,25 @@ def check_engines(cfg: Any, model_dir: str | None) -> None:
         return  # one check covers every vLLM pool: same model
 
 
-def vllm_kwargs(accelerators: float, kind: str | None) -> dict:
+def learner_env(cfg: Any) -> dict[str, str]:
+    """Environment of the learner actor: `learner.memory_fraction` as JAX's preallocation
+    settings (XLA reads them when the backend starts, so they must be in the actor's env)."""
+    frac = cfg.learner.memory_fraction
+    if frac is None:
+        return {}
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{frac:g}", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+
+
+def vllm_kwargs(accelerators: float, kind: str | None, gpu_memory_utilization: float | None = None) -> dict:
     """vLLM engine arguments a rollout's accelerators imply: tensor_parallel_size = the whole
-    accelerators (at least 1) and, for a fraction of one GPU, that fraction of its memory."""
+    accelerators (at least 1) and its share of GPU memory: `gpu_memory_utilization` when given
+    (rollout.gpu_memory_utilization), else for a fraction of one GPU that fraction."""
     if not kind:
         return {}
     out: dict[str, Any] = {"tensor_parallel_size": max(1, int(accelerators))}
-    if 0 < accelerators < 1:
+    if gpu_memory_utilization is not None:
+        out["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    elif 0 < accelerators < 1:
         out["gpu_memory_utilization"] = float(accelerators)
     if out["tensor_parallel_size"] > 1:
         out["distributed_executor_backend"] = "mp"  # workers inside this actor's placement bundle
@@ -189,7 +201,7 @@ class EngineFactory:
         if self.workdir is None:
             raise ValueError("EngineFactory: a vLLM rollout needs a workdir for its config.json")
         config, _ = hf_config(self.cfg, self.model_dir)
-        extra = vllm_kwargs(self.accelerators, self.kind)
+        extra = vllm_kwargs(self.accelerators, self.kind, r.gpu_memory_utilization)
         # blocks: the KV budget, at least one full-length request, plus the one vLLM keeps back
         block = GPU_BLOCK_SIZE if self.kind else VLLM_BLOCK_SIZE
         blocks = max(-(-max_len // block), r.kv_budget_tokens // block) + 1

@@ -116,7 +116,8 @@ class Fleet:
             global_batch=cfg.learner.global_batch_groups, max_staleness=cfg.manager.max_staleness)
         nodes = cluster.alive_nodes()
         learner = ray.remote(Learner).options(**cluster.actor_options(
-            kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4)).remote(
+            kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4,
+            env=engines.learner_env(cfg))).remote(
             cfg, run_dir, data, resume=resume, min_update_s=min_update_s)
         phase("actors", "learner and data actors created; learner initialising (jax, model, optimizer)")
         mcfg = engines.model_config(cfg, model_dir)

@@ -69,6 +69,18 @@ RESOURCES = textwrap.dedent('''
         cluster.check_resources(cfg, learner_devices=2)              # 2 + 2 > 3
     except Exception as e:
         print("ERROR", type(e).__name__, e)
+    # learner.memory_fraction: the learner actor's env (the options fleet.py gives it) and its GPU share
+    from laminar_jax.runtime import engines
+    @ray.remote
+    class Env:
+        def get(self):
+            return os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    for frac in ("0.3", "0.55"):
+        shared = load_config("configs/default.yaml", ["learner.memory_fraction=" + frac, "rollout.engine=vllm",
+                                                      "rollout.num_rollouts=1", "rollout.accelerators_per_rollout=0.4"])
+        need = cluster.check_resources(shared, learner_devices=1)
+        opts = cluster.actor_options("GPU", need["learner"], env=engines.learner_env(shared))
+        print("LEARNER" + frac, need["learner"], *ray.get(Env.options(**opts).remote().get.remote(), timeout=60))
     ray.shutdown()
 ''')
 
@@ -76,7 +88,8 @@ RESOURCES = textwrap.dedent('''
 def test_pool_asking_for_more_accelerators_than_the_cluster_has(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", RESOURCES], capture_output=True, text=True, timeout=180, env=env)
-    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.stdout.splitlines() if ln[:4] in ("NEED", "GPUS", "ERRO")}
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.stdout.splitlines()
+             if ln[:4] in ("NEED", "GPUS", "ERRO", "LEAR")}
     assert "NEED" in lines, out.stderr[-2000:]
     assert "'rollout-0': 2.0" in lines["NEED"] and "'learner': 1.0" in lines["NEED"]
     assert lines["GPUS"] == "2", "the placement group gives the rollout both GPUs"
@@ -84,3 +97,20 @@ def test_pool_asking_for_more_accelerators_than_the_cluster_has(tmp_path):
     assert err.startswith("ClusterError rollout.pools[0] (pool 'big', engine vllm): 1 rollouts x "
                           "rollout.pools[0].accelerators_per_rollout=2.0 = 2 GPUs, but the Ray cluster has 3")
     assert "2 taken by the learner" in err
+    # learner.memory_fraction reaches the learner actor's environment and is its Ray GPU share
+    assert lines["LEARNER0.3"] == "0.3 0.3 true" and lines["LEARNER0.55"] == "0.55 0.55 true"
+
+
+def test_learner_and_a_vllm_rollout_sharing_a_gpu_must_fit_in_it():
+    ok = ["rollout.engine=vllm", "rollout.accelerators_per_rollout=0.4"]
+    assert load_config("configs/default.yaml", ok + ["learner.memory_fraction=0.6"]).learner.memory_fraction == 0.6
+    with pytest.raises(ConfigError, match=r"learner\.memory_fraction: expected a fraction that leaves room for "
+                                          r"rollout\.accelerators_per_rollout=0\.4 .*\(their sum 1\.1 > 1\), got 0\.7"):
+        load_config("configs/default.yaml", ok + ["learner.memory_fraction=0.7"])
+    pools = "rollout.pools=[{name: g, engine: vllm, accelerators_per_rollout: 0.5, gpu_memory_utilization: 0.45}]"
+    with pytest.raises(ConfigError, match=r"room for rollout\.pools\[0\]\.gpu_memory_utilization=0\.45"):
+        load_config("configs/default.yaml", ["rollout.num_rollouts=1", pools, "learner.memory_fraction=0.6"])
+    load_config("configs/default.yaml", ["rollout.num_rollouts=1", pools, "learner.memory_fraction=0.55"])
+    # whole-GPU rollouts and JAX rollouts never share the learner's GPU: no constraint
+    load_config("configs/default.yaml", ["rollout.engine=vllm", "rollout.accelerators_per_rollout=1",
+                                         "learner.memory_fraction=0.9"])

@@ -33,3 +33,19 @@ def test_vllm_arguments_follow_the_rollouts_accelerators():
     assert engines.vllm_kwargs(1.0, "GPU") == {"tensor_parallel_size": 1}
     assert engines.vllm_kwargs(0.4, "GPU") == {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.4}
     assert engines.vllm_kwargs(4.0, "GPU") == {"tensor_parallel_size": 4, "distributed_executor_backend": "mp"}
+    assert engines.vllm_kwargs(0.4, "GPU", 0.35) == {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.35}
+    assert engines.vllm_kwargs(1.0, "GPU", 0.5)["gpu_memory_utilization"] == 0.5
+
+
+def test_rollout_gpu_memory_utilization_reaches_the_vllm_engine(monkeypatch, tmp_path):
+    """The config value is what the factory hands VllmEngine (then EngineArgs). No GPU here, so
+    `VllmEngine.from_tensors` is replaced by a recorder of its arguments (a stand-in)."""
+    from rollout import vllm_engine
+    seen = []
+    monkeypatch.setattr(vllm_engine.VllmEngine, "from_tensors",
+                        classmethod(lambda cls, tensors, version, **kw: seen.append(kw)))
+    for value in ("0.3", "0.45"):
+        cfg = load_config("configs/default.yaml", ["rollout.engine=vllm", "rollout.gpu_memory_utilization=" + value])
+        engines.EngineFactory(cfg, None, workdir=str(tmp_path), accelerators=0.5, kind="GPU")({}, 0)
+    assert [kw["gpu_memory_utilization"] for kw in seen] == [0.3, 0.45]
+    assert engines.learner_env(load_config("configs/default.yaml", [])) == {}
