@@ -75,12 +75,15 @@ RESOURCES = textwrap.dedent('''
     class Env:
         def get(self):
             return os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
-    for frac in ("0.3", "0.55"):
+    for frac in ("0.3", "0.55"):  # a real actor for the first (a new runtime env is a new worker: slow)
         shared = load_config("configs/default.yaml", ["learner.memory_fraction=" + frac, "rollout.engine=vllm",
                                                       "rollout.num_rollouts=1", "rollout.accelerators_per_rollout=0.4"])
         need = cluster.check_resources(shared, learner_devices=1)
         opts = cluster.actor_options("GPU", need["learner"], env=engines.learner_env(shared))
-        print("LEARNER" + frac, need["learner"], *ray.get(Env.options(**opts).remote().get.remote(), timeout=60))
+        env = opts["runtime_env"]["env_vars"]
+        got = (ray.get(Env.options(**opts).remote().get.remote(), timeout=60) if frac == "0.3" else
+               (env["XLA_PYTHON_CLIENT_MEM_FRACTION"], env["XLA_PYTHON_CLIENT_PREALLOCATE"]))
+        print("LEARNER" + frac, need["learner"], *got)
     ray.shutdown()
 ''')
 
