@@ -9,9 +9,11 @@
 # seconds per in-place version switch); JAX engine vs learner log-prob parity in bf16 (and fp32).
 # JSON under experiments/results/gpu/ (the smoke run: experiments/results/gpu/cpu_smoke/).
 # Part B: the same engine bench and parity with vLLM next to JAX, then a short
-# `laminar train rollout.engine=vllm` with one vLLM rollout on its own GPU (learner on another;
-# rollout.accelerators_per_rollout is the rollout's Ray GPU share and, below 1, vLLM's
-# gpu_memory_utilization).
+# `laminar train rollout.engine=vllm` with the learner and one vLLM rollout sharing one GPU:
+# learner.memory_fraction (LEARNER_MEM, default 0.35: the learner's XLA preallocation and Ray GPU
+# share) and rollout.gpu_memory_utilization (ROLLOUT_MEM, default 0.5, with a Ray share of
+# ROLLOUT_GPUS=0.5); the config refuses a pair that sums past 1. SHARED_GPU=0 runs the rollout on
+# its own GPU instead (ROLLOUT_GPUS=1.0).
 # Needs only what the working tree brings (PYTHONPATH=repo root); every step has a time limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,10 +47,16 @@ elif [[ "$PART" == "B" ]]; then
       --out "$OUT/bench_engine_vllm.json"
   step "vLLM and JAX engines vs learner log-probs" "$PY" experiments/engine_parity.py --engines jax,vllm \
       --model "${MODELS##*,}" --dtypes bfloat16,float32 --out "$OUT/engine_parity_vllm.json"
-  step "laminar train rollout.engine=vllm" "$PY" -m laminar_jax.cli train configs/default.yaml \
-      run.name=gpu_vllm run.out_dir=/tmp/laminar-gpu-check run.steps=10 data.task=arithmetic \
-      rollout.engine=vllm rollout.num_rollouts=1 rollout.accelerators_per_rollout="${ROLLOUT_GPUS:-1.0}" \
-      model.dtype=bfloat16 model.rollout_dtype=bfloat16
+  if [[ "${SHARED_GPU:-1}" == "1" ]]; then
+    SHARE=(learner.memory_fraction="${LEARNER_MEM:-0.35}" rollout.gpu_memory_utilization="${ROLLOUT_MEM:-0.5}")
+    ROLLOUT_GPUS="${ROLLOUT_GPUS:-0.5}"
+  else
+    SHARE=(); ROLLOUT_GPUS="${ROLLOUT_GPUS:-1.0}"
+  fi
+  step "laminar train rollout.engine=vllm (learner + vLLM rollout: ${SHARE[*]:-own GPUs})" "$PY" -m laminar_jax.cli \
+      train configs/default.yaml run.name=gpu_vllm run.out_dir=/tmp/laminar-gpu-check run.steps=10 \
+      data.task=arithmetic rollout.engine=vllm rollout.num_rollouts=1 \
+      rollout.accelerators_per_rollout="$ROLLOUT_GPUS" "${SHARE[@]}" model.dtype=bfloat16 model.rollout_dtype=bfloat16
   "$PY" - <<'PYEOF'
 import json
 from laminar_jax.analysis import load_run

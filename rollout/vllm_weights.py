@@ -66,9 +66,10 @@ def _repack_cpu(module, items) -> bool:
             new = torch.empty(tuple(weights[0][1].shape), dtype=old.dtype)
             new.copy_(weights[0][1])
         else:                                     # kept (embeddings): in place, vocab padding kept
-            new = old.data
-            new[:weights[0][1].shape[0]].copy_(weights[0][1])
-        module.weight = torch.nn.Parameter(new, requires_grad=False)
+            new = None
+            old.data[:weights[0][1].shape[0]].copy_(weights[0][1])
+        if new is not None:
+            module.weight = torch.nn.Parameter(new, requires_grad=False)
     for param, shard, t in items:
         if param == "bias":
             start, size = _offsets(module, shard) if shard is not None else (0, t.shape[0])
