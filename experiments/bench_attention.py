@@ -44,7 +44,7 @@ def _grad_fn(cfg: DecoderConfig):
     return jax.jit(jax.value_and_grad(loss)), params
 
 
-def attention_rows(presets, lengths, impls, *, time_max_tokens, naive_time_max_gb, dtype):
+def attention_rows(presets, lengths, impls, *, time_max_tokens, naive_time_max_gb, dtype, on_row=None):
     rows = []
     for preset in presets:
         for impl in impls:
@@ -68,6 +68,8 @@ def attention_rows(presets, lengths, impls, *, time_max_tokens, naive_time_max_g
                     jax.block_until_ready(compiled(params, tokens, pos))
                     row["step_s"] = time.perf_counter() - t0
                 rows.append(row)
+                if on_row is not None:  # partial results survive a run cut short
+                    on_row(rows)
                 step = "-" if row["step_s"] is None else f"{row['step_s']:.3f} s"
                 print(f"  {preset:5s} {impl:9s} T={t:6d} temp={row['temp_bytes'] / 2**20:9.1f} MiB step={step}",
                       flush=True)
@@ -141,13 +143,20 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--impls", default="blockwise,naive")
     ap.add_argument("--out", default="experiments/results/bench_attention.json")
+    ap.add_argument("--skip-packing", action="store_true", help="attention memory/time only")
     args = ap.parse_args()
     presets = ["tiny"] if args.quick else args.presets.split(",")
     max_t = 4096 if args.quick else args.max_t
     lengths = [t for t in (1024, 2048, 4096, 8192, 16384) if t <= max_t]
     print(f"backend={jax.default_backend()} devices={jax.device_count()}", flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+
+    def save(rows, **extra):
+        with open(args.out, "w") as f:
+            json.dump(dict(backend=jax.default_backend(), attention=rows, argv=sys.argv[1:], **extra), f, indent=1)
     rows = attention_rows(presets, lengths, args.impls.split(","), time_max_tokens=args.time_max_tokens,
-                          naive_time_max_gb=args.naive_time_max_gb, dtype=args.dtype)
+                          naive_time_max_gb=args.naive_time_max_gb, dtype=args.dtype,
+                          on_row=lambda rows: save(rows, partial=True))
     growth = {}
     for p in presets:
         for impl in args.impls.split(","):
@@ -163,6 +172,10 @@ def main():
             step = "" if r["step_s"] is None else f", {r['step_s']:.2f} s"
             cells.append(f"{r['temp_bytes'] / 2**20:.0f} MiB{step}")
         print(f"| {p} | {impl} | " + " | ".join(cells) + f" | {max(g):.2f}x |")
+    if args.skip_packing:
+        save(rows, memory_growth_per_doubling=growth)
+        print(f"wrote {args.out}")
+        return
     steps = 3 if args.quick else 8
     pack, dist = packing_rows(steps=steps, max_seq_len=1024, groups=8, group_size=8, median=48)
     speedup = pack[1]["useful_tokens_per_s"] / pack[0]["useful_tokens_per_s"]
@@ -172,10 +185,7 @@ def main():
     for r in pack:
         print(f"| {'packed' if r['pack'] else 'unpacked'} | {r['useful_tokens_per_s']:.0f} | {r['fill']:.2f} |")
     print(f"packed / unpacked useful tokens/s: {speedup:.2f}x")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(backend=jax.default_backend(), attention=rows, memory_growth_per_doubling=growth,
-                       packing=pack, packing_lengths=dist, packing_speedup=speedup, argv=sys.argv[1:]), f, indent=1)
+    save(rows, memory_growth_per_doubling=growth, packing=pack, packing_lengths=dist, packing_speedup=speedup)
     print(f"wrote {args.out}")
 
 

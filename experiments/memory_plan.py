@@ -1,22 +1,26 @@
 """Per-device memory of the paper presets' learner step, on paper: lower and compile one train
-step on 8 fake CPU devices from abstract inputs (`jax.ShapeDtypeStruct`, no weights allocated).
+step on fake CPU devices (fsdp 8 by default, `--fsdp`) from abstract inputs
+(`jax.ShapeDtypeStruct`, no weights allocated).
 
-The step is the real one (`runtime.rl_step.build` -> `learner.train_step.TrainStep`): the
-preset's loss, optimizer, mesh (fsdp 8), `learner.remat`, `model.attention` (auto = blockwise on
+The step is the real one (`runtime.rl_step.build` -> `learner.train_step.TrainStep`, with the
+FSDP activation/weight shardings of `ShardedModel.train_shardings`): the preset's loss,
+optimizer, mesh (fsdp 8), `learner.remat`, `model.attention` (auto = blockwise on
 CPU), bf16 compute over fp32 master params, log-prob chunking. The shapes: Qwen2.5-7B (and 32B)
 config.json values, one row of `learner.max_seq_len` = 18,432 tokens per device per micro-batch,
 two micro-batches (so the fp32 gradient accumulator is counted).
 
-    PYTHONPATH=$PWD .venv/bin/python experiments/memory_plan.py [--models 7b,32b] [--remat block]
+    PYTHONPATH=$PWD .venv/bin/python experiments/memory_plan.py [--models 7b,32b] [--fsdp 8,16] [--remat block]
 
 Prints a table and writes experiments/results/memory_plan.json. XLA:CPU's buffer assignment is a
-proxy for an accelerator's (same program, same shapes; fusion and bf16 handling differ).
+proxy for an accelerator's (same program, same shapes; fusion and bf16 handling differ: XLA:CPU
+runs bf16 matmuls in fp32, so its [tokens, mlp] temporaries are fp32 -- an overestimate).
 """
 from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# enough fake devices for --fsdp up to 16 (the plan's mesh takes the first fsdp of them)
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -61,10 +65,11 @@ def _per_device_bytes(tree) -> int:
     return total
 
 
-def plan(cfg, model: str, *, remat: str, micro_batches: int):
+def plan(cfg, model: str, *, remat: str, micro_batches: int, fsdp: int | None = None):
     m = cfg.model
     dcfg = DecoderConfig.from_hf(HF[model], param_dtype=m.param_dtype, dtype=m.dtype, attention=m.attention)
-    mesh = shd.mesh_from_config(cfg.mesh)
+    fsdp = fsdp or cfg.mesh.fsdp
+    mesh = shd.make_mesh(1, fsdp, cfg.mesh.tensor, devices=jax.devices()[:fsdp * cfg.mesh.tensor])
     init_fn = lambda: Decoder(dcfg, rngs=nnx.Rngs(0), remat=remat)  # noqa: E731
     sharded = ts.shard_model(init_fn, mesh, shd.DEFAULT_RULES)
     tx, schedule = optimizer_from_config(cfg.optimizer, total_steps=cfg.run.steps)
@@ -83,7 +88,7 @@ def plan(cfg, model: str, *, remat: str, micro_batches: int):
     compiled = fns.train.jitted(batch).lower(state, batch).compile()
     mem = compiled.memory_analysis()
     row = dict(model=model, params_b=dcfg.num_params() / 1e9, devices=mesh.size, mesh=dict(mesh.shape),
-               tokens_per_device_micro_batch=rows * length // div, micro_batches=micro_batches, remat=remat,
+               tokens_per_device_micro_batch=length, micro_batches=micro_batches, remat=remat,
                attention=m.attention, dtype=m.dtype, param_dtype=m.param_dtype,
                params_bytes=_per_device_bytes(state.params), opt_state_bytes=_per_device_bytes(state.opt_state),
                argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
@@ -99,21 +104,24 @@ def main():
     ap.add_argument("--models", default="7b,32b")
     ap.add_argument("--remat", default=None, help="override learner.remat (default: the preset's)")
     ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--fsdp", default=None, help="comma list per model overriding mesh.fsdp, e.g. 8,16")
     ap.add_argument("--out", default="experiments/results/memory_plan.json")
     args = ap.parse_args()
     cfg = load_config(args.config)
     remat = args.remat or cfg.learner.remat
     rows = []
-    for model in args.models.split(","):
-        r = plan(cfg, model, remat=remat, micro_batches=args.micro_batches)
+    models = args.models.split(",")
+    fsdps = [int(f) for f in args.fsdp.split(",")] if args.fsdp else [None] * len(models)
+    for model, fsdp in zip(models, fsdps, strict=True):
+        r = plan(cfg, model, remat=remat, micro_batches=args.micro_batches, fsdp=fsdp)
         rows.append(r)
         print(f"{model}: compiled in {r['compile_s']:.0f} s", flush=True)
-    print(f"\n{args.config}: per device, fsdp 8, {cfg.learner.max_seq_len} tokens per device per micro-batch, "
-          f"remat={remat}, attention={cfg.model.attention} (CPU: blockwise)")
-    print("| model | params | optimizer state | activations + temp | peak (args + out - donated + temp) | fits 80 GB |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n{args.config}: per device, {cfg.learner.max_seq_len} tokens per device per micro-batch, "
+          f"{args.micro_batches} micro-batches, remat={remat}, attention={cfg.model.attention} (CPU: blockwise)")
+    print("| model | fsdp | params | optimizer state | activations + temp | peak (args + out - donated + temp) | fits 80 GB |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| Qwen2.5-{r['model'].upper()} ({r['params_b']:.1f}B) | {r['params_bytes'] / GIB:.1f} GiB | "
+        print(f"| Qwen2.5-{r['model'].upper()} ({r['params_b']:.1f}B) | {r['mesh']['fsdp']} | {r['params_bytes'] / GIB:.1f} GiB | "
               f"{r['opt_state_bytes'] / GIB:.1f} GiB | {r['temp_bytes'] / GIB:.1f} GiB | {r['peak_bytes'] / GIB:.1f} GiB | "
               f"{'yes' if r['peak_bytes'] <= 80e9 else 'no'} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

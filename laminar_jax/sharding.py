@@ -195,11 +195,15 @@ def batch_shardings(batch: Mapping | Any, mesh: Mesh, rules: Rules = DEFAULT_RUL
     return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x), rules), batch)
 
 
+def batch_axes(rules: Rules = DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes the leading batch dimension is split over (the ``"batch"`` rule)."""
+    axes = _rule_table(rules).get("batch", BATCH_AXES)
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
 def batch_divisor(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
     """How many ways the leading batch dimension is split."""
-    axes = _rule_table(rules).get("batch", BATCH_AXES)
-    flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(mesh.shape[a] for a in flat)
+    return math.prod(mesh.shape[a] for a in batch_axes(rules))
 
 
 def shard_batch(batch: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
@@ -213,3 +217,17 @@ def shard_batch(batch: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
                              f"not divisible by the {div} batch shards of mesh {dict(mesh.shape)}")
         return jax.device_put(x, batch_sharding(mesh, x.ndim, rules))
     return jax.tree_util.tree_map_with_path(put, batch)
+
+
+def without_axes(spec: P, axes: Sequence[str] = BATCH_AXES, *, drop_leading: int = 0) -> P:
+    """``spec`` with the mesh ``axes`` removed from every dimension (those dimensions become
+    replicated over them) and its first ``drop_leading`` dimensions dropped.
+
+    FSDP gathers a weight just before use: a param sharded ``P("fsdp", "tensor")`` is used as
+    ``P(None, "tensor")``; ``drop_leading=1`` gives one layer's slice of a stacked ``[L, ...]`` param.
+    """
+    def keep(entry):
+        flat = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        rest = tuple(a for a in flat if a not in axes)
+        return None if not rest else rest[0] if len(rest) == 1 else rest
+    return P(*(keep(e) for e in tuple(spec)[drop_leading:]))

@@ -76,15 +76,17 @@ def next_token_mask(segment_ids: jax.Array) -> jax.Array:
 def sequence_logprobs(model: Any, tokens: jax.Array, positions: jax.Array,
                       segment_ids: jax.Array | None = None, *,
                       response_mask: jax.Array | None = None, chunk_size: int = 128,
-                      temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                      temperature: float = 1.0, with_entropy: bool = False,
+                      shardings: Any = None) -> tuple[jax.Array, jax.Array | None]:
     """Log-probs of each token given its prefix, aligned with ``tokens``.
 
     ``logp[b, t] = log p(tokens[b, t] | tokens[b, s < t] of the same segment)``; it is 0 at the
     first token of every segment, at padding (segment 0) and, when ``response_mask`` is given,
     wherever the mask is 0 (prompt tokens). The same holds for the optional entropy, which is the
     entropy of the distribution token t was drawn from. ``model`` needs ``hidden(tokens, positions,
-    segment_ids)`` and ``lm_head_kernel()`` (``models.decoder.Decoder``).
+    segment_ids)`` and ``lm_head_kernel()`` (``models.decoder.Decoder``). ``shardings``: the
+    model's ``models.decoder.TrainShardings`` on a mesh (``ShardedModel.train_shardings()``), so
+    activations, logits chunks and gathered weights stay split over the batch axes (FSDP).
     """
     chex.assert_rank([tokens, positions], 2)
     chex.assert_equal_shape([tokens, positions])
@@ -96,8 +98,14 @@ def sequence_logprobs(model: Any, tokens: jax.Array, positions: jax.Array,
     if response_mask is not None:
         chex.assert_equal_shape([tokens, response_mask])
         valid = valid & (response_mask != 0)
-    hidden = model.hidden(tokens, positions, segment_ids)
-    logp, ent = chunked_token_logprobs(hidden[:, :-1], model.lm_head_kernel(), tokens[:, 1:],
+    if shardings is None:
+        hidden, head = model.hidden(tokens, positions, segment_ids), model.lm_head_kernel()
+    else:
+        hidden = model.hidden(tokens, positions, segment_ids, shardings=shardings)
+        # gathered once in the compute dtype (the chunks cast it to that anyway)
+        head = jax.lax.with_sharding_constraint(model.lm_head_kernel().astype(hidden.dtype),
+                                                shardings.lm_head)
+    logp, ent = chunked_token_logprobs(hidden[:, :-1], head, tokens[:, 1:],
                                        chunk_size=chunk_size, temperature=temperature,
                                        with_entropy=with_entropy)
     shift = lambda x: jnp.where(valid, jnp.pad(x, ((0, 0), (1, 0))), 0.0)  # noqa: E731
@@ -110,11 +118,13 @@ def make_logprobs_fn(sharded: Any, *, chunk_size: int = 128, temperature: float 
     on ``sharded.mesh`` (a ``train_state.ShardedModel``): params by their rules, batch arrays
     split over the batch axes. ``entropy`` is ``None`` unless ``with_entropy``."""
     batch_sh = shd.batch_sharding(sharded.mesh, 2, sharded.rules)
+    shardings = sharded.train_shardings()
 
     def fn(params, tokens, positions, segment_ids, response_mask):
         return sequence_logprobs(sharded.bind(params), tokens, positions, segment_ids,
                                  response_mask=response_mask, chunk_size=chunk_size,
-                                 temperature=temperature, with_entropy=with_entropy)
+                                 temperature=temperature, with_entropy=with_entropy,
+                                 shardings=shardings)
     out_sh = (batch_sh, batch_sh if with_entropy else None)
     return jax.jit(fn, in_shardings=(sharded.param_shardings,) + (batch_sh,) * 4,
                    out_shardings=out_sh)

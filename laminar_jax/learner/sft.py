@@ -114,10 +114,12 @@ def run(cfg: Any) -> dict[str, Any]:
     setup = build(cfg, total_steps=sft.steps, lr=sft.lr)
     dcfg, mesh, sharded, state = setup.model_cfg, setup.mesh, setup.sharded, setup.state
 
+    train_shardings = sharded.train_shardings()
+
     def loss_fn(params, batch):
         logp, _ = lp.sequence_logprobs(sharded.bind(params), batch["tokens"], batch["positions"],
                                        batch["segment_ids"], response_mask=batch["loss_mask"],
-                                       chunk_size=chunk)
+                                       chunk_size=chunk, shardings=train_shardings)
         return -jnp.sum(logp) / batch["num_loss_tokens"], {}
 
     step = TrainStep(loss_fn, setup.tx, setup.shardings, schedule=setup.schedule,

@@ -19,9 +19,10 @@ import numpy as np
 import optax
 from flax import nnx
 from flax.nnx import traversals
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from laminar_jax import sharding as shd
+from laminar_jax.models.decoder import TrainShardings
 
 
 class TrainState(NamedTuple):
@@ -43,6 +44,21 @@ class ShardedModel:
     def bind(self, params: Any) -> nnx.Module:
         """Module with ``params`` (pure dict) plugged in; call inside jit, costs nothing at run time."""
         return nnx.merge(self.graphdef, params)
+
+    def train_shardings(self):
+        """`models.decoder.TrainShardings` for this mesh (FSDP: activations split over the
+        batch axes, each layer's weights gathered over them inside the layer loop)."""
+        specs = jax.tree.map(lambda s: s.spec, self.param_shardings,
+                             is_leaf=lambda x: isinstance(x, NamedSharding))
+        named = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
+        axes = shd.batch_axes(self.rules)
+        layers = {k: named(shd.without_axes(v, axes, drop_leading=1)) for k, v in specs["layers"].items()}
+        if "lm_head" in specs:
+            head = shd.without_axes(specs["lm_head"], axes)
+        else:  # tied: the transposed embedding
+            head = P(*reversed(tuple(shd.without_axes(specs["embedding"], axes))))
+        return TrainShardings(activations=shd.batch_sharding(self.mesh, 3, self.rules),
+                              layer_params=layers, lm_head=named(head))
 
     def num_params(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.abstract_params))

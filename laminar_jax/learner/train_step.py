@@ -151,22 +151,43 @@ class AheadOfTime:
 
     `precompile(*abstract_args)` lowers and compiles (e.g. on a background thread while the
     first rollouts generate); a call whose inputs have a precompiled signature runs that
-    executable, waiting up to `wait_s` for one still compiling; any other call goes through the
-    jit (which compiles a new signature once).
+    executable, waiting up to `wait_s` for one still compiling -- or only promised with
+    `reserve(*abstract_args)`, so a call never compiles what the background thread is about to.
+    `release()` drops promises whose compile never started (a failed thread). Any other call goes
+    through the jit (which compiles a new signature once); `call_compiles` counts those.
     """
 
     def __init__(self, jitted: Any, wait_s: float = 600.0):
         self.jitted, self.wait_s = jitted, wait_s
         self._exe: dict[Any, Any] = {}
         self._pending: dict[Any, threading.Event] = {}
+        self._started: set = set()
+        self._jit_seen: set = set()
         self._lock = threading.Lock()
+
+    @property
+    def call_compiles(self) -> int:
+        """Signatures compiled inside a call (not ahead of time)."""
+        return len(self._jit_seen)
+
+    def reserve(self, *args: Any) -> None:
+        key = signature(args)
+        with self._lock:
+            if key not in self._exe:
+                self._pending.setdefault(key, threading.Event())
+
+    def release(self) -> None:
+        with self._lock:
+            for key in [k for k in self._pending if k not in self._started]:
+                self._pending.pop(key).set()
 
     def precompile(self, *args: Any) -> None:
         key = signature(args)
         with self._lock:
-            if key in self._exe or key in self._pending:
+            if key in self._exe or key in self._started:
                 return
-            done = self._pending[key] = threading.Event()
+            self._started.add(key)
+            done = self._pending.setdefault(key, threading.Event())
         try:
             self._exe[key] = self.jitted.lower(*args).compile()
         finally:
@@ -178,7 +199,10 @@ class AheadOfTime:
         if done is not None and not done.wait(self.wait_s):
             raise TimeoutError(f"ahead-of-time compile of a learner step did not finish in {self.wait_s:.0f} s")
         exe = self._exe.get(key)
-        return exe(*args) if exe is not None else self.jitted(*args)
+        if exe is not None:
+            return exe(*args)
+        self._jit_seen.add(key)
+        return self.jitted(*args)
 
 
 class TrainStep:
@@ -225,6 +249,19 @@ class TrainStep:
         """Compile the step for batches shaped like ``batch`` (arrays or ShapeDtypeStructs)
         now, so the first real step of that shape does not compile."""
         self._aot(batch).precompile(state, batch)
+
+    def reserve(self, state: Any, batch: Any) -> None:
+        """Promise a `precompile` of this shape: a step of it waits for that compile."""
+        self._aot(batch).reserve(state, batch)
+
+    def release(self) -> None:
+        for aot in self._jitted.values():
+            aot.release()
+
+    @property
+    def call_compiles(self) -> int:
+        """Step shapes compiled inside a call rather than ahead of time (a compile counter)."""
+        return sum(aot.call_compiles for aot in self._jitted.values())
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         new_state, metrics = self._aot(batch)(state, batch)

@@ -135,6 +135,21 @@ def apply_remat(body, name: str):
     return jax.checkpoint(body, policy=policies[name])
 
 
+class TrainShardings(NamedTuple):
+    """Where the training path puts its activations and gathered weights (FSDP), built by
+    `learner.train_state.ShardedModel.train_shardings`.
+
+    Without these, GSPMD propagates the params' `embed`-over-fsdp sharding into the activations
+    and replicates the batch instead: every device then holds the whole micro-batch's MLP
+    activations ([B, T, mlp] fp32, 10 GB per layer for Qwen2.5-7B at 18K tokens;
+    experiments/memory_plan.py). Pinning activations to the batch axes and all-gathering each
+    layer's weights (in the compute dtype) inside the layer loop is FSDP proper.
+    """
+    activations: object   # sharding of [B, T, hidden] (batch over the data axes)
+    layer_params: dict    # param name -> sharding of one layer's slice, gathered over the data axes
+    lm_head: object       # sharding of the gathered [hidden, vocab] kernel
+
+
 def _block(cfg, p, x, cos, sin, attend_fn):
     """One pre-norm block; `attend_fn(q, k, v) -> attn` hides where keys come from."""
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
@@ -185,28 +200,41 @@ class Decoder(nnx.Module):
         return L.rms_norm(x, self.final_norm.get_value(), self.cfg.rms_norm_eps)
 
     # ------------------------------------------------------------------ training / scoring path
-    def hidden(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def hidden(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,
+               shardings: TrainShardings | None = None) -> jax.Array:
         """Final-normed hidden states [B, T, hidden] (compute dtype).
 
         Attention is causal within a row and restricted to equal segment ids (packed sequences);
-        segment id 0 is padding. `segment_ids=None`: one unpadded sequence per row.
+        segment id 0 is padding. `segment_ids=None`: one unpadded sequence per row. `shardings`
+        (under jit on a mesh): activations and per-layer gathered weights are pinned to them.
         """
         cfg = self.cfg
         cos, sin = L.rope_cos_sin(cfg, positions)
+        dt = jnp.dtype(cfg.dtype)
+
+        def pin(x, sharding):
+            return x if shardings is None else jax.lax.with_sharding_constraint(x, sharding)
 
         def attend(q, k, v):
             return A.attention(q, k, v, impl=cfg.attention, segment_ids=segment_ids), None
 
         def body(x, p):
+            if shardings is not None:
+                # Every layer op casts its weights to the compute dtype anyway (layers.py), so
+                # gathering them already cast is the same maths at half the bytes moved.
+                p = {k: pin(v.astype(dt), shardings.layer_params[k]) for k, v in p.items()}
+                x = pin(x, shardings.activations)
             return _block(cfg, p, x, cos, sin, attend)
 
         body = apply_remat(body, self.remat)
-        x, _ = jax.lax.scan(body, self._embed(tokens), self._layer_params())
-        return self._final(x)
+        act = None if shardings is None else shardings.activations
+        x, _ = jax.lax.scan(body, pin(self._embed(tokens), act), self._layer_params())
+        return pin(self._final(x), act)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,
+                 shardings: TrainShardings | None = None) -> jax.Array:
         """fp32 logits [B, T, vocab]."""
-        return self._logits(self.hidden(tokens, positions, segment_ids))
+        return self._logits(self.hidden(tokens, positions, segment_ids, shardings=shardings))
 
     # ------------------------------------------------------------------ rollout (KV-cache) path
     def hidden_cached(self, tokens, positions, cache: KVCache, slot_ids, valid) -> tuple[jax.Array, KVCache]:

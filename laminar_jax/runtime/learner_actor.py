@@ -168,7 +168,7 @@ class Learner:
                         "learner/token_fill": float(np.mean([(mb["segment_ids"] > 0).mean() for mb in mbs])),
                         "learner/rows": float(mbs[0]["tokens"].shape[0]),
                         "learner/row_len": float(mbs[0]["tokens"].shape[1])})
-        steps = []
+        steps, compiled = [], self.fns.train.call_compiles
         for mb in mbs:
             inputs = self._shd.shard_batch(self.fns.inputs(self.state.params, mb), self.setup.mesh)
             try:
@@ -178,6 +178,8 @@ class Learner:
                 self._event("nonfinite_loss", version=self.version, loss=m.get("loss"))
             steps.append(rl_step.scalar_metrics(m, "loss/"))   # float(): waits for the update
         self._times.add("update_s", clock)
+        # train-step shapes compiled inside this update (0 once learner.precompile covered them)
+        metrics["learner/step_compiles"] = float(self.fns.train.call_compiles - compiled)
         for key in steps[0]:
             metrics[key] = float(np.mean([s[key] for s in steps]))
         table = engine_metrics.labels(self.cfg)

@@ -46,6 +46,7 @@ class LearnerFns(NamedTuple):
     row_multiple: int = 1     # packed row counts are multiples of this (micro-batches x batch shards)
     mini_batch_rows: int = 1  # trajectories (unpacked rows) per mini-batch
     precompile: Any = None    # precompile(state, rows, length, ...): the shapes of `batch_shapes`
+    release: Any = None       # release(): drop `precompile(..., reserve=True)` promises not compiled
     loss: Any = None          # the un-jitted loss_fn(params, train_inputs) -> (loss, metrics)
 
 
@@ -55,11 +56,13 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
     spec, adv_spec = cfg.loss, cfg.advantage
     sharded, chunk = setup.sharded, cfg.learner.logprob_chunk
     rl_loss = make_loss(spec)
+    train_shardings = sharded.train_shardings()
 
     def loss_fn(params, mb):
         logp, ent = lp.sequence_logprobs(sharded.bind(params), mb["tokens"], mb["positions"],
                                          mb["segment_ids"], response_mask=mb["response_mask"],
-                                         chunk_size=chunk, with_entropy=spec.needs_entropy)
+                                         chunk_size=chunk, with_entropy=spec.needs_entropy,
+                                         shardings=train_shardings)
         # segment ids: a packed row holds several sequences (sequence-level aggregation per segment)
         return rl_loss(logp, behaviour_logp=mb["behaviour_logp"], advantages=mb["advantages"],
                        mask=mb["response_mask"], prox_logp=mb.get("prox_logp"), ref_logp=mb.get("ref_logp"),
@@ -120,25 +123,31 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
     needs_prox = spec.needs_prox or cfg.learner.recompute_prox
     extra = tuple(k for k, need in (("prox_logp", needs_prox), ("ref_logp", spec.needs_ref)) if need)
 
-    def precompile(state, rows, length, num_groups, adv_rows):
+    def precompile(state, rows, length, num_groups, adv_rows, *, reserve=False):
         """Compile the update's jitted pieces for mini-batches of rows x length (advantages
-        over the assembled batch of adv_rows x length, num_groups groups)."""
+        over the assembled batch of adv_rows x length, num_groups groups); `reserve`: only
+        promise it (calls of those shapes then wait for the compile instead of compiling)."""
+        how = "reserve" if reserve else "precompile"
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         state = jax.tree.map(abstract, state)
         arr = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
         ints = ("tokens", "positions", "segment_ids")
         tok = {k: arr(jnp.int32 if k in ints else jnp.float32, rows, length) for k in TRAIN_KEYS + extra}
-        train.precompile(state, {**tok, "normaliser": arr(jnp.float32)})
+        getattr(train, how)(state, {**tok, "normaliser": arr(jnp.float32)})
         if needs_prox or spec.needs_ref:
-            logp_jit.precompile(state.params, *(tok[k] for k in logp_keys))
+            getattr(logp_jit, how)(state.params, *(tok[k] for k in logp_keys))
         if not cfg.learner.pack:  # advantages run on the unpacked batch (all mini-batches)
             n = adv_rows
             f32, i32 = arr(jnp.float32, n), arr(jnp.int32, n)
-            adv_jit(num_groups).precompile(f32, i32, f32, arr(jnp.float32, n, length))
+            getattr(adv_jit(num_groups), how)(f32, i32, f32, arr(jnp.float32, n, length))
+
+    def release():
+        for aot in (train, logp_jit, *adv_aot.values()):
+            aot.release()
 
     return LearnerFns(adv_fn, logprobs, train, needs_prox, spec.needs_ref, inputs, prox_params,
                       row_multiple=(mini_batch_rows // micro) * div, mini_batch_rows=mini_batch_rows,
-                      precompile=precompile, loss=loss_fn)
+                      precompile=precompile, release=release, loss=loss_fn)
 
 
 def batch_shapes(cfg: Any, fns: LearnerFns) -> list[tuple[int, int]]:
@@ -155,8 +164,14 @@ def precompile_all(cfg: Any, fns: LearnerFns, state: Any, *, num_groups: int, ev
     `num_groups`: the groups of one assembled batch (a global batch, or a mini-batch's worth when
     mini-batches stream)."""
     adv_rows = num_groups * cfg.data.group_size
-    for rows, length in sorted(batch_shapes(cfg, fns), key=lambda s: s[0] * s[1]):
-        fns.precompile(state, rows, length, num_groups, adv_rows)
+    shapes = sorted(batch_shapes(cfg, fns), key=lambda s: s[0] * s[1])
+    try:
+        for rows, length in shapes:  # first promise them all: no step compiles one of them itself
+            fns.precompile(state, rows, length, num_groups, adv_rows, reserve=True)
+        for rows, length in shapes:
+            fns.precompile(state, rows, length, num_groups, adv_rows)
+    finally:
+        fns.release()
     if events is not None:
         events("precompiled", shapes=len(batch_shapes(cfg, fns)))
 

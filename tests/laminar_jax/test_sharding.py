@@ -98,3 +98,23 @@ def test_place_params_checks_the_tree_and_places_by_the_rules():
     missing = {k: v for k, v in host.items() if k != "final_norm"}
     with pytest.raises(ValueError, match=r"missing params \['final_norm'\]"):
         ts.place_params(sm, missing)
+
+
+def test_without_axes_gathers_over_the_batch_axes():
+    assert shd.without_axes(P(None, "fsdp", "tensor", None), drop_leading=1) == P(None, "tensor", None)
+    assert shd.without_axes(P(("data", "fsdp"), "tensor")) == P(None, "tensor")
+    assert shd.without_axes(P(("fsdp", "tensor"), None)) == P("tensor", None)
+    assert shd.batch_axes() == ("data", "fsdp")
+    assert shd.batch_axes([("batch", "fsdp")]) == ("fsdp",)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_train_shardings_gather_each_layer_over_fsdp_and_keep_tensor(tied):
+    cfg = DecoderConfig.preset("tiny", tie_word_embeddings=tied)
+    sm = ts.shard_model(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), shd.make_mesh(2, 2, 2))
+    t = sm.train_shardings()
+    assert t.activations.spec == P(("data", "fsdp"), None, None)
+    assert t.layer_params["q_kernel"].spec == P(None, "tensor", None)      # [embed, heads, head_dim]
+    assert t.layer_params["down_kernel"].spec == P("tensor", None)         # [mlp, embed]
+    assert set(t.layer_params) == set(sm.param_shardings["layers"])
+    assert t.lm_head.spec == P(None, "tensor")                             # [embed, vocab]

@@ -1,4 +1,6 @@
 """Chunked log-probs / entropies against the naive full-logits computation, values and gradients."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +184,42 @@ def test_sharded_logprobs_fn_equals_single_device():
     np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5, atol=1e-5)
     assert np.all(out[0][0][:, :4] == 0) and np.all(out[0][0][:, 10:] == 0)
     assert np.all(out[0][0][:, 4:10] < 0)
+
+
+def _fsdp_loss(sm, shardings, chunk=32):
+    def loss(params, tokens, positions, seg, coef):
+        lp, ent = sequence_logprobs(sm.bind(params), tokens, positions, seg, chunk_size=chunk,
+                                    with_entropy=True, shardings=shardings)
+        return jnp.sum(coef * lp) + 0.1 * jnp.sum(ent)
+    return jax.value_and_grad(loss)
+
+
+def test_fsdp_train_shardings_split_activations_and_keep_the_maths():
+    """On an fsdp-8 mesh, `ShardedModel.train_shardings()` keeps every device on its own rows.
+    GSPMD left alone replicates the batch and splits activations over `embed` (what made the 7B
+    preset not fit: experiments/memory_plan.py). Same loss and grads either way."""
+    cfg = dataclasses.replace(CFG, intermediate_size=1024, tie_word_embeddings=False)
+    b, length = 8, 64
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, cfg.vocab_size, (b, length)).astype(np.int32)
+    positions = np.tile(np.arange(length, dtype=np.int32), (b, 1))
+    seg = np.ones((b, length), np.int32)
+    seg[:, 50:] = 0
+    coef = rng.normal(size=(b, length)).astype(np.float32)
+    mesh = shd.make_mesh(1, 8, 1)
+    sm = ts.shard_model(lambda: Decoder(cfg, rngs=nnx.Rngs(3), remat="block"), mesh)
+    params = ts.place_params(sm, _host_params(sm))
+    args = [shd.shard_batch(x, mesh) for x in (tokens, positions, seg, coef)]
+    temps, outs = {}, {}
+    for name, shardings in (("pinned", sm.train_shardings()), ("gspmd", None)):
+        fn = jax.jit(_fsdp_loss(sm, shardings), out_shardings=(shd.replicated(mesh), sm.param_shardings))
+        compiled = fn.lower(params, *args).compile()
+        temps[name] = compiled.memory_analysis().temp_size_in_bytes
+        outs[name] = jax.device_get(compiled(params, *args))
+    np.testing.assert_allclose(outs["pinned"][0], outs["gspmd"][0], rtol=1e-5)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(outs["pinned"][1]),
+                            jax.tree.leaves(outs["gspmd"][1])):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+    # GSPMD left alone holds several full-batch fp32 [B, T, mlp] activations per device
+    full_mlp = b * length * cfg.intermediate_size * 4
+    assert temps["pinned"] * 3 < temps["gspmd"] and temps["gspmd"] > 2 * full_mlp, temps

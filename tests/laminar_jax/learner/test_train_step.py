@@ -169,3 +169,32 @@ def test_non_finite_loss_raises_naming_the_step_and_keeps_the_state():
     # the kept state trains on normally
     kept, m = step(kept, shd.shard_batch(_batch(2), mesh))
     assert np.isfinite(m["loss"]) and int(kept.step) == 2
+
+
+def test_ahead_of_time_reserve_makes_a_call_wait_and_release_unblocks():
+    """A reserved signature: the call waits for the background compile instead of compiling it
+    itself (`call_compiles` stays 0); an unreserved one compiles in the call; `release` frees
+    a promise whose compile never started."""
+    import threading
+    import time
+
+    from laminar_jax.learner.train_step import AheadOfTime
+    aot = AheadOfTime(jax.jit(lambda x: x * 2), wait_s=30)
+    spec = jax.ShapeDtypeStruct((3,), jnp.float32)
+    aot.reserve(spec)
+    x = jnp.ones(3, jnp.float32)
+    out = []
+    caller = threading.Thread(target=lambda: out.append(aot(x)))
+    caller.start()
+    time.sleep(0.3)
+    assert caller.is_alive() and not out          # waiting on the promise, not compiling
+    aot.precompile(spec)
+    caller.join(30)
+    np.testing.assert_array_equal(out[0], 2 * x)
+    assert aot.call_compiles == 0
+    aot(jnp.ones(4, jnp.float32))                  # never precompiled: compiles in the call
+    assert aot.call_compiles == 1
+    aot.reserve(jax.ShapeDtypeStruct((5,), jnp.float32))
+    aot.release()                                  # the thread died before compiling it
+    aot(jnp.ones(5, jnp.float32))
+    assert aot.call_compiles == 2

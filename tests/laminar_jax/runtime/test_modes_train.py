@@ -17,7 +17,7 @@ from tests.laminar_jax.runtime.runtime_fixtures import countdown_config
 MIN_GAIN = 0.05
 
 MODES = {
-    "sync": {},
+    "sync": {"learner.precompile": False},   # the one mode whose learner compiles in its steps
     "one_step": {},
     "stream": {"learner.mini_batches": 2, "manager.max_staleness": 1},
     "partial": {"manager.max_staleness": 2},
@@ -58,6 +58,13 @@ def test_mode_learns_and_keeps_its_staleness_rule(mode, cluster, countdown_model
     assert acc["issued"] == acc["consumed"] + acc["buffered"] + acc["in_flight"] + acc["requeued"] + acc["dropped"]
     if mode == "partial":
         assert any(e == "pull" for e in run.events.kind)
+    # learner.precompile: every bucket's train step compiled (or promised) before the first
+    # update, so no update compiles one; without it the first update does
+    compiles = m["learner/step_compiles"]
+    if cfg.learner.precompile:
+        assert compiles.sum() == 0 and "precompiled" in set(run.events.kind), compiles.tolist()
+    else:
+        assert compiles.iloc[0] >= 1 and "precompiled" not in set(run.events.kind), compiles.tolist()
     rows = get_task("countdown", num_prompts=cfg.data.num_prompts, max_n=cfg.data.task_max_n,
                     seed=cfg.run.seed).rows()
     n_of = {r.prompt_id: r.row["n"] for r in rows}
