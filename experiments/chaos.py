@@ -194,7 +194,12 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
         received.setdefault(e["version"], []).append(t(e))
     broadcast = {v: max(ts) - written[v] for v, ts in received.items() if v in written}
     fault_versions = set()
-    reached = _reached(by("pull"), written, t)
+    # a rollout's life ends at its kill, every rollout's at the learner's (the resumed run reuses names)
+    ends: dict[str | None, list[float]] = {}
+    for f in chaos.fired:
+        if f["kind"] in ("rollout", "learner"):
+            ends.setdefault(f["target"] if f["kind"] == "rollout" else None, []).append(f["t"])
+    reached = _reached(by("pull"), written, t, ends)
     failover: dict = {}
     rows = []
     rate = _mean_rate(chaos.steps)
@@ -213,10 +218,17 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
             # the first version written after the kill, against a normal version: publish_written
             # -> every live relay serves it, and -> every rollout that goes on has it
             fault_versions.update(v for v in written if f["t"] - 1 < written[v] <= f["t"] + window_s)
-            nxt = min((v for v in written if written[v] > f["t"]), default=None)
+            # the next version: the first one the surviving relays had not all served at the kill
+            # (it may have been written just before, and reached only the dead master)
+            old = {e["relay"] for e in by("relay_received") if t(e) < f["t"]} - {f["target"]}
+            served = {}
+            for e in by("relay_received"):
+                if e["relay"] in old:
+                    served.setdefault(e["version"], []).append(t(e))
+            nxt = min((v for v in written if written[v] > f["t"] - 5.0
+                       and (len(served.get(v, [])) < len(old) or max(served[v]) > f["t"])), default=None)
             if nxt is not None:
-                old = {e["relay"] for e in by("relay_received") if t(e) < f["t"]} - {f["target"]}
-                got = [t(e) for e in by("relay_received") if e["version"] == nxt and e["relay"] in old]
+                got = served.get(nxt, [])
                 reach = reached.get(nxt)
                 failover.update(version=nxt, relays_s=max(got) - written[nxt] if got else None,
                                 rollouts_s=reach)
@@ -250,16 +262,21 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
                                        and e["relay_node"] != e["node"])}
 
 
-def _reached(pulls: list[dict], written: dict[int, float], t) -> dict[int, float]:
+def _reached(pulls: list[dict], written: dict[int, float], t,
+             ends: dict[str | None, list[float]] | None = None) -> dict[int, float]:
     """Per version v: seconds from its publish_written until every rollout live then (it had
-    pulled weights before) that later holds v or newer has pulled one (a rollout may skip v for
-    a newer one: that counts as reached)."""
-    firsts: dict[str, list[tuple[int, float]]] = {}
+    pulled weights before, and was not killed before it held v) holds v or newer (a rollout may
+    skip v for a newer one: that counts as reached). `ends`: kill times per rollout name (None:
+    of every rollout); pulls after a kill belong to another life of that name."""
+    ends = ends or {}
+    lives: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for e in sorted(pulls, key=t):
-        firsts.setdefault(e["rollout"], []).append((e["version"], t(e)))
+        cuts = sorted(ends.get(e["rollout"], []) + ends.get(None, []))
+        life = sum(1 for c in cuts if c <= t(e))
+        lives.setdefault((e["rollout"], life), []).append((e["version"], t(e)))
     out = {}
     for v, tw in written.items():
-        times = [next(ts for ver, ts in seq if ver >= v) for seq in firsts.values()
+        times = [next(ts for ver, ts in seq if ver >= v) for seq in lives.values()
                  if seq[0][1] < tw and any(ver >= v for ver, _ in seq)]   # live when v came out
         if times:
             out[v] = max(max(times) - tw, 0.0)
@@ -354,6 +371,29 @@ def _failover_line(m: dict) -> str:
             f"({ratio('ratio_rollouts')} normal)")
 
 
+def reanalyse(path: str) -> dict:
+    """The report at `path` computed again from its run folder's events (analysis fixes apply to
+    a run already made); dips and the step rate need the steps, so they are kept as reported."""
+    with open(path) as f:
+        old = json.load(f)
+    chaos = Chaos([], old["duration_s"])
+    chaos.fired = [{k: f[k] for k in ("kind", "at_s", "t", "target", "step", "version")} for f in old["faults"]]
+    learner = [f for f in old["faults"] if f["kind"] == "learner" and f["recover_s"] is not None]
+    resumed_at = learner[0]["t"] + learner[0]["recover_s"] if learner else None
+    new = analyse(old["run_dir"], chaos, group_size=8, window_s=20.0, resumed_at=resumed_at)
+    for row, was in zip(new["faults"], old["faults"]):
+        row["dip"] = was["dip"]
+    new["trajectories_per_s"] = old["trajectories_per_s"]
+    report = {**old, **new, "reanalysed": "python experiments/chaos.py --reanalyse " + path}
+    text = table(report)
+    print(text)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    with open(path[:-len(".json")] + ".txt", "w") as f:
+        f.write(f"{report['command']}  (re-analysed: {report['reanalysed']})\n{text}\n")
+    return report
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=600.0, help="seconds of chaos after the first step")
@@ -368,7 +408,11 @@ def main(argv=None) -> dict:
     p.add_argument("--name", default="chaos")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments/results"))
     p.add_argument("--work", default="/tmp/laminar-chaos")
+    p.add_argument("--reanalyse", metavar="JSON", help="recompute a report from its run folder's events "
+                   "(the per-step throughput dips are kept from the report)")
     args = p.parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(args.reanalyse)
     if args.short:
         faults, duration = [(15.0, "rollout"), (35.0, "relay"), (55.0, "master")], 90.0
     else:

@@ -25,6 +25,8 @@ import ray
 WATCH_POLL_S = 10.0
 # after the relay failed, the watcher asks another relay this soon (then every retry_s)
 FAILOVER_RETRY_S = 0.05
+# after the relay failed, rollouts wait this long for another relay before reading the store
+FAILOVER_GRACE_S = 2.0
 # relays off: how often an idle rollout lists the weight store while it waits
 STORE_POLL_S = 0.05
 
@@ -50,10 +52,12 @@ class WeightSource:
 
 
 class RelaySource(WeightSource):
-    """The relay on this rollout's node (`weights.relay_group.local_relay`), and `fallback` (the
-    weight store) while that relay is dead, restarting or not answering within call_timeout_s:
-    a relay's death costs its rollouts a slower read, never the rollout. After a failure the
-    relay is looked up again every retry_s (by the watcher)."""
+    """The relay on this rollout's node (`weights.relay_group.local_relay`). While that relay is
+    dead, restarting or not answering within call_timeout_s: another live relay of the group
+    (found by name at once, it serves the same versions; back home once this node's relay
+    serves them again), and `fallback` (the weight store) until one answers. A relay's death
+    costs its rollouts a slower read, never the rollout. With no relay answering, the watcher
+    looks them up again every retry_s."""
 
     def __init__(self, prefix: str, namespace: str | None = None, *, fallback: WeightSource | None = None,
                  call_timeout_s: float = 10.0, retry_s: float = 2.0):
@@ -64,6 +68,8 @@ class RelaySource(WeightSource):
         self._served = -1                                # newest version the relay served
         self._failing = False                            # the relay's last call failed
         self._foreign = False                            # reading another node's relay
+        self._home_seen = False                          # this node's relay was found once
+        self._failed_at = 0.0                            # when the relay's calls began to fail
         self.rpcs = 0                                    # relay calls made (tests count them)
         self.via = "relay"          # where the last answer came from: "relay" or "store"
         self.fallbacks = 0
@@ -93,13 +99,15 @@ class RelaySource(WeightSource):
         from laminar_jax.weights.relay_group import local_relay
         if self._relay is None:
             home = None
-            if not avoid_home:
+            if not (avoid_home and self._home_seen):
                 try:
                     home = local_relay(self.prefix, self.namespace)
                 except ValueError:   # dead, restarting, or not registered yet
-                    home = None
+                    if not self._home_seen:   # at start-up: wait for this node's own relay
+                        raise
             self._relay, self._node = home, None
             self._foreign = home is None
+            self._home_seen = True
             if home is None:
                 self._relay = self._other_relay()
                 if self._relay is None:
@@ -131,6 +139,8 @@ class RelaySource(WeightSource):
                 self._relay, self._node, self._foreign = home, None, False
 
     def _fail(self, e: BaseException) -> None:
+        if not self._failing:
+            self._failed_at = time.monotonic()
         self._relay, self._failing = None, True
         self.fallbacks += 1
         self.last_error = f"{type(e).__name__}: {e}"
@@ -186,11 +196,18 @@ class RelaySource(WeightSource):
             if self.fallback is None:
                 raise
             self._fail(e)
-            return self._from_store(version)
+            return self._from_store(version) if self._use_store() else None
         self.via = "relay"
         if got is None or got[0] <= version:
             return None
         return got[0], flat.unflatten(got[1], got[2])
+
+    def _use_store(self) -> bool:
+        """Read the store: the relay failed more than FAILOVER_GRACE_S ago and none answers yet
+        (within the grace the watcher finds another relay: a relay read is a map, a store read
+        a restore that takes a rollout seconds)."""
+        return (self._failing and self.fallback is not None
+                and time.monotonic() - self._failed_at >= FAILOVER_GRACE_S)
 
     def _from_store(self, version: int) -> tuple[int, dict] | None:
         self.via = "store"
@@ -198,23 +215,26 @@ class RelaySource(WeightSource):
 
     def newer_than(self, version: int) -> tuple[int, dict] | None:
         self._start_watcher()
-        if self._failing and self.fallback is not None:
+        if self._use_store():
             return self._from_store(version)
         with self._cond:
-            if self._served <= version:
+            if self._failing or self._served <= version:
                 return None
         return self._pull(version)
 
     def wait_newer(self, version: int, timeout_s: float) -> tuple[int, dict] | None:
         self._start_watcher()
-        if self._failing and self.fallback is not None:
-            return WeightSource.wait_newer(self, version, timeout_s)   # polls the store meanwhile
+        deadline = time.monotonic() + timeout_s
         with self._cond:
-            self._cond.wait_for(lambda: self._served > version or self._failing, timeout=timeout_s)
-            if self._failing and self.fallback is not None:
-                return self._from_store(version)
-            if self._served <= version:
-                return None
+            while not self._use_store() and (self._failing or self._served <= version):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if self._failing and self.fallback is not None:   # wake when the grace ends
+                    left = min(left, FAILOVER_GRACE_S - (time.monotonic() - self._failed_at))
+                self._cond.wait(max(left, 0.01))
+        if self._use_store():   # polls the store until the deadline, or a relay answers again
+            return WeightSource.wait_newer(self, version, max(0.0, deadline - time.monotonic()))
         return self._pull(version)
 
 

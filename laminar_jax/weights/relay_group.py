@@ -19,9 +19,14 @@ requests, pulls) always goes through Ray.
 Faults: a relay that stops answering with an actor error is evicted and `chain.relink` cuts it
 out; its upstream is re-pointed at its downstream and resends the chunks the downstream lacks. If
 the master died, the next relay of the chain becomes master and the publisher (and every
-`on_master_change` callback) is told, so the newest published version is announced to it again. A dead relay whose node is still alive
-is started again (up to `max_restarts` per group) and appended to the chain; its upstream resends
-it the current version. Meanwhile the rollouts of that node read the weight store directly
+`on_master_change` callback) is told, so the newest published version is announced to it again.
+That relay is warm: the next master in line always runs one master step ahead of time
+(`RelayWorker.prepare_standby`), so a failover costs about a normal broadcast, not a process's
+first orbax restore. A dead relay whose node is still alive is started again (up to
+`max_restarts` per group) and appended to the chain; its upstream resends it the current
+version. The start does not block the group (the heartbeat moves it on), and after a master
+failover it waits for the new master's first broadcast (RESTART_DEFER_S at most): a relay
+process starting takes the cores that broadcast needs. Meanwhile the rollouts of that node read the weight store directly
 (`runtime.weights_source.RelaySource`), so a relay's death never costs a rollout.
 `start_monitor(interval_s)` runs `check` on a thread, so a master's death is repaired within about
 interval_s, not at the driver's next relay check. Every control call has a timeout (CALL_TIMEOUT_S).
@@ -54,6 +59,7 @@ MAX_CHUNK_BYTES = {"tcp": 16 * 2**20, "object_store": 64 * 2**20}
 CALL_TIMEOUT_S = 300.0   # generous: a relay process starting on a loaded machine takes a minute
 # after a master failover, relay restarts wait for the new master's first broadcast, this long at most
 RESTART_DEFER_S = 10.0
+MASTER_POLL_S = 5.0     # the heartbeat's question to the master about its served version
 WATCH_S = 30.0          # length of one relay `watch` call of the monitor (re-armed when it returns)
 LOOPBACK = "127.0.0.1"
 
@@ -302,9 +308,11 @@ class RelayGroup:
         return dead
 
     def _served_by_master(self) -> int:
+        """The version the master serves (-1: none yet); a very large number when it does not
+        answer at once, so a deferred restart does not wait on it."""
         try:
-            snap = ray.get(self.master.latest.remote(), timeout=CALL_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - a master that does not answer: defer by time only
+            snap = ray.get(self.master.latest.remote(), timeout=MASTER_POLL_S)
+        except Exception:  # noqa: BLE001 - slow or dead: the next heartbeat handles the master
             return 1 << 62
         return -1 if snap is None else snap.version
 
