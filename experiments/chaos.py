@@ -228,7 +228,12 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
             nxt = min((v for v in written if written[v] > f["t"] - 5.0
                        and (len(served.get(v, [])) < len(old) or max(served[v]) > f["t"])), default=None)
             if nxt is not None:
-                got = served.get(nxt, [])
+                # each surviving relay's first version >= nxt (a new master skips to the newest)
+                firsts = {}
+                for e in sorted(by("relay_received"), key=t):
+                    if e["relay"] in old and e["version"] >= nxt:
+                        firsts.setdefault(e["relay"], t(e))
+                got = list(firsts.values()) if len(firsts) == len(old) else []
                 reach = reached.get(nxt)
                 failover.update(version=nxt, relays_s=max(got) - written[nxt] if got else None,
                                 rollouts_s=reach)
