@@ -25,7 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import socket
 import sys
+import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -73,8 +76,11 @@ def schedule(duration_s: float, *, rollout_every: float, relay_every: float, mas
 class Chaos:
     """The on_step hook: fires the faults that are due, records every step, stops at the end."""
 
-    def __init__(self, faults: list[tuple[float, str]], duration_s: float):
+    def __init__(self, faults: list[tuple[float, str]], duration_s: float, probe=None):
         self.pending, self.duration_s = list(faults), duration_s
+        self.probe, self.probed = probe, None   # probe(fleet) -> dict, on a thread from the first step
+        self._probe_thread = None
+        self.relay_checks: int | None = None
         self.fired: list[dict] = []
         self.steps: list[dict] = []
         self.t0: float | None = None
@@ -87,6 +93,14 @@ class Chaos:
         now = time.time()
         if self.t0 is None:
             self.t0 = now
+            if self.probe is not None:
+                def run_probe():
+                    try:
+                        self.probed = self.probe(fleet)
+                    except Exception as e:  # noqa: BLE001 - reported, the test asserts on it
+                        self.probed = {"error": repr(e)}
+                self._probe_thread = threading.Thread(target=run_probe, name="chaos-probe", daemon=True)
+                self._probe_thread.start()
         self.steps.append({"step": step, "t": now, "consumed": metrics["consumed_trajectories"],
                            "version": metrics["version"], "staleness_max": metrics["staleness_max"]})
         while self.pending and now - self.t0 >= self.pending[0][0]:
@@ -99,6 +113,9 @@ class Chaos:
         if now - self.t0 >= self.duration_s:
             self.accounting = ray.get(fleet.data.accounting.remote(), timeout=60)
             self.counters = ray.get(fleet.manager.report.remote(), timeout=60)["counters"]
+            self.relay_checks = None if fleet.relays is None else fleet.relays.checks
+            if self._probe_thread is not None:
+                self._probe_thread.join(timeout=60)
             raise StopRun()
 
     def _fire(self, kind: str, fleet) -> str | None:
@@ -130,6 +147,38 @@ class Chaos:
         raise ValueError(kind)
 
 
+def probe_streams(fleet, *, max_connections: int, wait_s: float = 30.0) -> dict:
+    """Opens max_connections + 2 connections to the master relay's stream server, each with the
+    group's hello, and sees how the server ends them: the 2 beyond relay.max_connections closed
+    on accept, the rest after relay.idle_timeout_s of silence. Returns the counts and times."""
+    from laminar_jax.weights import stream
+    relays = fleet.relays
+    with relays._lock:
+        master = relays.master
+    import ray
+    address = tuple(ray.get(master.stream_address.remote(), timeout=60))
+    t0 = time.monotonic()
+    socks = [stream.connect(address, 10.0, relays.stream_token) for _ in range(max_connections + 2)]
+    closed: dict[socket.socket, float] = {}
+    while len(closed) < len(socks) and time.monotonic() - t0 < wait_s:
+        ready, _, _ = select.select([s for s in socks if s not in closed], [], [], 0.05)
+        for s in ready:
+            try:
+                data = s.recv(1)
+            except OSError:
+                data = b""
+            if data == b"":   # the server closed it (a relay never writes to an inbound link)
+                closed[s] = time.monotonic() - t0
+    closed_after = [closed.get(s) for s in socks]
+    for s in socks:
+        s.close()
+    quick = [c for c in closed_after if c is not None and c < 0.5]
+    idle = [c for c in closed_after if c is not None and c >= 0.5]
+    return {"address": f"{address[0]}:{address[1]}", "opened": len(socks), "refused": len(quick),
+            "idle_closed": len(idle), "never_closed": closed_after.count(None),
+            "idle_closed_s": float(np.median(idle)) if idle else None}
+
+
 def _events(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -145,6 +194,13 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
         received.setdefault(e["version"], []).append(t(e))
     broadcast = {v: max(ts) - written[v] for v, ts in received.items() if v in written}
     fault_versions = set()
+    # a rollout's life ends at its kill, every rollout's at the learner's (the resumed run reuses names)
+    ends: dict[str | None, list[float]] = {}
+    for f in chaos.fired:
+        if f["kind"] in ("rollout", "learner"):
+            ends.setdefault(f["target"] if f["kind"] == "rollout" else None, []).append(f["t"])
+    reached = _reached(by("pull"), written, t, ends)
+    failover: dict = {}
     rows = []
     rate = _mean_rate(chaos.steps)
     for f in chaos.fired:
@@ -159,28 +215,81 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
             rec = min(got) - f["t"] if got else None
             note = "relay restarted" if any(e.get("relay") == f["target"] for e in by("relay_restarted")) else "not restarted"
         elif f["kind"] == "master":
-            # the next version reaches every rollout that pulls after the kill
-            after = [e for e in by("pull") if t(e) > f["t"] and e["version"] > f["version"]]
-            first: dict[str, float] = {}
-            for e in sorted(after, key=t):
-                first.setdefault(e["rollout"], t(e))
-            fault_versions.update(v for v in written if written[v] > f["t"] - 1)
-            if first:
-                rec = max(first.values()) - f["t"]
+            # the first version written after the kill, against a normal version: publish_written
+            # -> every live relay serves it, and -> every rollout that goes on has it
+            fault_versions.update(v for v in written if f["t"] - 1 < written[v] <= f["t"] + window_s)
+            # the next version: the first one the surviving relays had not all served at the kill
+            # (it may have been written just before, and reached only the dead master)
+            old = {e["relay"] for e in by("relay_received") if t(e) < f["t"]} - {f["target"]}
+            served = {}
+            for e in by("relay_received"):
+                if e["relay"] in old:
+                    served.setdefault(e["version"], []).append(t(e))
+            nxt = min((v for v in written if written[v] > f["t"] - 5.0
+                       and (len(served.get(v, [])) < len(old) or max(served[v]) > f["t"])), default=None)
+            if nxt is not None:
+                # each surviving relay's first version >= nxt (a new master skips to the newest)
+                firsts = {}
+                for e in sorted(by("relay_received"), key=t):
+                    if e["relay"] in old and e["version"] >= nxt:
+                        firsts.setdefault(e["relay"], t(e))
+                got = list(firsts.values()) if len(firsts) == len(old) else []
+                reach = reached.get(nxt)
+                failover.update(version=nxt, relays_s=max(got) - written[nxt] if got else None,
+                                rollouts_s=reach)
+                if reach is not None:
+                    rec = written[nxt] + reach - f["t"]
                 new_master = [e["new"] for e in by("master_failover") if e.get("old") == f["target"]]
-                note = (f"master -> {new_master[0][:8] if new_master else '?'}; first pull of a newer "
-                        f"version on {len(first)} rollouts")
+                note = (f"master -> {new_master[0][:8] if new_master else '?'}; v{nxt} on every rollout "
+                        f"{_s(reach)} after its publish, every relay {_s(failover['relays_s'])}")
         elif f["kind"] == "learner" and resumed_at is not None:
             rec = resumed_at - f["t"]
             note = "resumed from the last checkpoint"
         rows.append(dict(f, recover_s=rec, note=note, dip=_dip(chaos.steps, f["t"], window_s, rate)))
     normal = [s for v, s in broadcast.items() if v not in fault_versions]
+    normal_reach = [s for v, s in reached.items() if v not in fault_versions]
+    for key, values in (("relays_s", normal), ("rollouts_s", normal_reach)):
+        failover[f"normal_{key}"] = float(np.median(values)) if values else None
+        if failover.get(key) is not None and failover[f"normal_{key}"]:
+            failover[f"ratio_{key[:-2]}"] = failover[key] / failover[f"normal_{key}"]
     traj = load_run(run_dir).trajectories
     per_group = traj.groupby("group_id").size()
     dup_samples = int(traj.duplicated(["group_id", "sample_index"]).sum())
     return {"faults": rows, "normal_broadcast_s": float(np.median(normal)) if normal else None,
             "consumed_groups": int(len(per_group)), "groups_consumed_twice": int((per_group > group_size).sum()),
-            "duplicate_trajectory_rows": dup_samples, "trajectories_per_s": rate}
+            "duplicate_trajectory_rows": dup_samples, "trajectories_per_s": rate,
+            "normal_reach_rollouts_s": failover.get("normal_rollouts_s"), "master_failover": failover,
+            "relays_restarted": len(by("relay_restarted")),
+            "relays_not_restarted": [{k: e.get(k) for k in ("relay", "restarts", "max_restarts")}
+                                     for e in by("relay_not_restarted")],
+            # pulls served by another node's relay (its own was dead): not the weight store
+            "foreign_relay_pulls": sum(1 for e in by("pull") if e.get("relay_node") and e.get("node")
+                                       and e["relay_node"] != e["node"])}
+
+
+def _reached(pulls: list[dict], written: dict[int, float], t,
+             ends: dict[str | None, list[float]] | None = None) -> dict[int, float]:
+    """Per version v: seconds from its publish_written until every rollout live then (it had
+    pulled weights before, and was not killed before it held v) holds v or newer (a rollout may
+    skip v for a newer one: that counts as reached). `ends`: kill times per rollout name (None:
+    of every rollout); pulls after a kill belong to another life of that name."""
+    ends = ends or {}
+    lives: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for e in sorted(pulls, key=t):
+        cuts = sorted(ends.get(e["rollout"], []) + ends.get(None, []))
+        life = sum(1 for c in cuts if c <= t(e))
+        lives.setdefault((e["rollout"], life), []).append((e["version"], t(e)))
+    out = {}
+    for v, tw in written.items():
+        times = [next(ts for ver, ts in seq if ver >= v) for seq in lives.values()
+                 if seq[0][1] < tw and any(ver >= v for ver, _ in seq)]   # live when v came out
+        if times:
+            out[v] = max(max(times) - tw, 0.0)
+    return out
+
+
+def _s(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} s"
 
 
 def _mean_rate(steps: list[dict]) -> float:
@@ -199,13 +308,14 @@ def _dip(steps: list[dict], t_fault: float, window_s: float, rate: float) -> flo
 
 def run_chaos(model_dir: str, work: str, name: str, *, duration_s: float, faults: list[tuple[float, str]],
               rollouts: int = 4, groups: int = 4, latency_scale: float = 4.0, window_s: float = 20.0,
-              quiet: bool = True) -> dict:
-    """One chaos run on the Ray cluster this process is connected to; returns the report dict."""
+              quiet: bool = True, extra: dict | None = None, probe=None) -> dict:
+    """One chaos run on the Ray cluster this process is connected to; returns the report dict.
+    `extra`: more config overrides; `probe(fleet) -> dict` runs on a thread from the first step."""
     from laminar_jax.runtime import driver
     from experiments.compare_modes import latency_model
-    cfg = config(work, name, model_dir, rollouts=rollouts, groups=groups)
+    cfg = config(work, name, model_dir, rollouts=rollouts, groups=groups, extra=extra)
     run_dir = os.path.join(work, name)
-    chaos = Chaos(faults, duration_s)
+    chaos = Chaos(faults, duration_s, probe=probe)
     t_start = time.time()
     resumed_at, outcome = None, "finished"
     try:
@@ -235,7 +345,8 @@ def run_chaos(model_dir: str, work: str, name: str, *, duration_s: float, faults
     report.update(name=name, outcome=outcome, wall_s=time.time() - t_start, duration_s=duration_s,
                   rollouts=rollouts, steps=len(chaos.steps), run_dir=run_dir,
                   issued=acc.get("issued"), consumed=acc.get("consumed"), lost=acc.get("unaccounted"),
-                  duplicate_deliveries=acc.get("duplicates"), ledger=acc, manager=chaos.counters)
+                  duplicate_deliveries=acc.get("duplicates"), ledger=acc, manager=chaos.counters,
+                  relay_checks=chaos.relay_checks, probe=chaos.probed)
     return report
 
 
@@ -245,14 +356,47 @@ def table(r: dict) -> str:
              f"prompts (groups) issued {r['issued']}, consumed {r['consumed']}, lost {r['lost']}, "
              f"duplicated {r['groups_consumed_twice']} consumed twice / {r['duplicate_trajectory_rows']} rows "
              f"(buffer dropped {r['duplicate_deliveries']} duplicate deliveries)",
-             f"normal broadcast (publish -> every relay, median): "
-             + (f"{r['normal_broadcast_s']:.3f} s" if r["normal_broadcast_s"] is not None else "n/a"),
+             f"normal version (median): publish -> every relay {_s(r['normal_broadcast_s'])}, "
+             f"-> every rollout {_s(r['normal_reach_rollouts_s'])}",
+             _failover_line(r.get("master_failover") or {}),
              "", f"{'t (s)':>6}  {'fault':<8} {'target':<26} {'recover (s)':>11} {'dip':>6}  note"]
     for f in r["faults"]:
         rec = "never" if f["recover_s"] is None else f"{f['recover_s']:.2f}"
         dip = "n/a" if f["dip"] is None else f"{f['dip']:+.0%}"
         lines.append(f"{f['at_s']:6.0f}  {f['kind']:<8} {str(f['target'])[:26]:<26} {rec:>11} {dip:>6}  {f['note']}")
     return "\n".join(lines)
+
+
+def _failover_line(m: dict) -> str:
+    if "version" not in m:
+        return "master failover: no version published after the kill"
+    ratio = lambda k: "n/a" if m.get(k) is None else f"{m[k]:.1f}x"  # noqa: E731
+    return (f"first version after the master's death (v{m['version']}): every relay {_s(m.get('relays_s'))} "
+            f"({ratio('ratio_relays')} normal), every rollout {_s(m.get('rollouts_s'))} "
+            f"({ratio('ratio_rollouts')} normal)")
+
+
+def reanalyse(path: str) -> dict:
+    """The report at `path` computed again from its run folder's events (analysis fixes apply to
+    a run already made); dips and the step rate need the steps, so they are kept as reported."""
+    with open(path) as f:
+        old = json.load(f)
+    chaos = Chaos([], old["duration_s"])
+    chaos.fired = [{k: f[k] for k in ("kind", "at_s", "t", "target", "step", "version")} for f in old["faults"]]
+    learner = [f for f in old["faults"] if f["kind"] == "learner" and f["recover_s"] is not None]
+    resumed_at = learner[0]["t"] + learner[0]["recover_s"] if learner else None
+    new = analyse(old["run_dir"], chaos, group_size=8, window_s=20.0, resumed_at=resumed_at)
+    for row, was in zip(new["faults"], old["faults"]):
+        row["dip"] = was["dip"]
+    new["trajectories_per_s"] = old["trajectories_per_s"]
+    report = {**old, **new, "reanalysed": "python experiments/chaos.py --reanalyse " + path}
+    text = table(report)
+    print(text)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    with open(path[:-len(".json")] + ".txt", "w") as f:
+        f.write(f"{report['command']}  (re-analysed: {report['reanalysed']})\n{text}\n")
+    return report
 
 
 def main(argv=None) -> dict:
@@ -269,7 +413,11 @@ def main(argv=None) -> dict:
     p.add_argument("--name", default="chaos")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments/results"))
     p.add_argument("--work", default="/tmp/laminar-chaos")
+    p.add_argument("--reanalyse", metavar="JSON", help="recompute a report from its run folder's events "
+                   "(the per-step throughput dips are kept from the report)")
     args = p.parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(args.reanalyse)
     if args.short:
         faults, duration = [(15.0, "rollout"), (35.0, "relay"), (55.0, "master")], 90.0
     else:

@@ -23,6 +23,10 @@ import ray
 
 # the watcher's long-poll: short enough that a relay replaced after a failure is found again soon
 WATCH_POLL_S = 10.0
+# after the relay failed, the watcher asks another relay this soon (then every retry_s)
+FAILOVER_RETRY_S = 0.05
+# after the relay failed, rollouts wait this long for another relay before reading the store
+FAILOVER_GRACE_S = 2.0
 # relays off: how often an idle rollout lists the weight store while it waits
 STORE_POLL_S = 0.05
 
@@ -48,10 +52,12 @@ class WeightSource:
 
 
 class RelaySource(WeightSource):
-    """The relay on this rollout's node (`weights.relay_group.local_relay`), and `fallback` (the
-    weight store) while that relay is dead, restarting or not answering within call_timeout_s:
-    a relay's death costs its rollouts a slower read, never the rollout. After a failure the
-    relay is looked up again every retry_s (by the watcher)."""
+    """The relay on this rollout's node (`weights.relay_group.local_relay`). While that relay is
+    dead, restarting or not answering within call_timeout_s: another live relay of the group
+    (found by name at once, it serves the same versions; back home once this node's relay
+    serves them again), and `fallback` (the weight store) until one answers. A relay's death
+    costs its rollouts a slower read, never the rollout. With no relay answering, the watcher
+    looks them up again every retry_s."""
 
     def __init__(self, prefix: str, namespace: str | None = None, *, fallback: WeightSource | None = None,
                  call_timeout_s: float = 10.0, retry_s: float = 2.0):
@@ -61,6 +67,9 @@ class RelaySource(WeightSource):
         self._cond: threading.Condition | None = None   # made in the actor (not picklable)
         self._served = -1                                # newest version the relay served
         self._failing = False                            # the relay's last call failed
+        self._foreign = False                            # reading another node's relay
+        self._home_seen = False                          # this node's relay was found once
+        self._failed_at = 0.0                            # when the relay's calls began to fail
         self.rpcs = 0                                    # relay calls made (tests count them)
         self.via = "relay"          # where the last answer came from: "relay" or "store"
         self.fallbacks = 0
@@ -83,13 +92,55 @@ class RelaySource(WeightSource):
                 return None
         return self._node
 
-    def _handle(self):
+    def _handle(self, *, avoid_home: bool = False):
+        """This node's relay; while it is dead or not registered (or `avoid_home`, right after it
+        failed), another live relay of the group: its version is the same, read from its shared
+        buffer (same host) or its node's object store, which is far cheaper than a store restore."""
         from laminar_jax.weights.relay_group import local_relay
         if self._relay is None:
-            self._relay, self._node = local_relay(self.prefix, self.namespace), None
+            home = None
+            if not (avoid_home and self._home_seen):
+                try:
+                    home = local_relay(self.prefix, self.namespace)
+                except ValueError:   # dead, restarting, or not registered yet
+                    if not self._home_seen:   # at start-up: wait for this node's own relay
+                        raise
+            self._relay, self._node = home, None
+            self._foreign = home is None
+            self._home_seen = True
+            if home is None:
+                self._relay = self._other_relay()
+                if self._relay is None:
+                    raise ValueError(f"no live relay named {self.prefix}:*")
         return self._relay
 
+    def _other_relay(self):
+        here = ray.get_runtime_context().get_node_id()
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["name"].startswith(self.prefix + ":") and a["name"] != f"{self.prefix}:{here}"
+                       and (self.namespace is None or a.get("namespace") == self.namespace))
+        for name in names:
+            try:
+                return ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                continue
+        return None
+
+    def _go_home(self) -> None:
+        """Back to this node's relay once it serves what the foreign one did (watcher thread)."""
+        from laminar_jax.weights.relay_group import local_relay
+        try:
+            home = local_relay(self.prefix, self.namespace)
+            snap = ray.get(home.latest.remote(), timeout=self.call_timeout_s)
+        except Exception:  # noqa: BLE001 - not back yet
+            return
+        if snap is not None and snap.version >= self._served:
+            with self._cond:
+                self._relay, self._node, self._foreign = home, None, False
+
     def _fail(self, e: BaseException) -> None:
+        if not self._failing:
+            self._failed_at = time.monotonic()
         self._relay, self._failing = None, True
         self.fallbacks += 1
         self.last_error = f"{type(e).__name__}: {e}"
@@ -100,25 +151,37 @@ class RelaySource(WeightSource):
             threading.Thread(target=self._watch, name="relay-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Long-polls the relay for the next served version and records its number; a failing
-        relay (dead, restarting, not registered yet) is looked up again every retry_s."""
+        """Long-polls the relay for the next served version and records its number. When the
+        relay fails, another relay of the group is asked at once (`_handle`), and a quick
+        `latest` call on it ends the store fallback; with none answering, the lookup is retried
+        every retry_s. While on another relay, this node's own is tried again after each poll."""
+        fresh, failures = True, 0
         while ray.is_initialized():   # never auto-start a Ray of its own after a shutdown
             try:
-                relay = self._handle()
+                relay = self._handle(avoid_home=failures == 1)
                 self.rpcs += 1
-                snap = ray.get(relay.wait_newer.remote(self._served, WATCH_POLL_S),
-                               timeout=WATCH_POLL_S + self.call_timeout_s)
+                if fresh:   # just (re)connected: answer at once, so rollouts stop reading the store
+                    snap = ray.get(relay.latest.remote(), timeout=self.call_timeout_s)
+                else:
+                    snap = ray.get(relay.wait_newer.remote(self._served, WATCH_POLL_S),
+                                   timeout=WATCH_POLL_S + self.call_timeout_s)
             except Exception as e:  # noqa: BLE001 - relay restarting or gone: look it up again
                 with self._cond:
                     self._fail(e)
                     self._cond.notify_all()
-                time.sleep(self.retry_s)
+                failures += 1
+                fresh = True
+                # the first retry goes to another relay at once; after that, every retry_s
+                time.sleep(FAILOVER_RETRY_S if failures == 1 else self.retry_s)
                 continue
+            fresh, failures = False, 0
             with self._cond:
                 self._failing = False
                 if snap is not None:
                     self._served = max(self._served, snap.version)
                 self._cond.notify_all()
+            if self._foreign:
+                self._go_home()
 
     def _pull(self, version: int) -> tuple[int, dict] | None:
         from laminar_jax.weights import flat
@@ -133,11 +196,18 @@ class RelaySource(WeightSource):
             if self.fallback is None:
                 raise
             self._fail(e)
-            return self._from_store(version)
+            return self._from_store(version) if self._use_store() else None
         self.via = "relay"
         if got is None or got[0] <= version:
             return None
         return got[0], flat.unflatten(got[1], got[2])
+
+    def _use_store(self) -> bool:
+        """Read the store: the relay failed more than FAILOVER_GRACE_S ago and none answers yet
+        (within the grace the watcher finds another relay: a relay read is a map, a store read
+        a restore that takes a rollout seconds)."""
+        return (self._failing and self.fallback is not None
+                and time.monotonic() - self._failed_at >= FAILOVER_GRACE_S)
 
     def _from_store(self, version: int) -> tuple[int, dict] | None:
         self.via = "store"
@@ -145,23 +215,26 @@ class RelaySource(WeightSource):
 
     def newer_than(self, version: int) -> tuple[int, dict] | None:
         self._start_watcher()
-        if self._failing and self.fallback is not None:
+        if self._use_store():
             return self._from_store(version)
         with self._cond:
-            if self._served <= version:
+            if self._failing or self._served <= version:
                 return None
         return self._pull(version)
 
     def wait_newer(self, version: int, timeout_s: float) -> tuple[int, dict] | None:
         self._start_watcher()
-        if self._failing and self.fallback is not None:
-            return WeightSource.wait_newer(self, version, timeout_s)   # polls the store meanwhile
+        deadline = time.monotonic() + timeout_s
         with self._cond:
-            self._cond.wait_for(lambda: self._served > version or self._failing, timeout=timeout_s)
-            if self._failing and self.fallback is not None:
-                return self._from_store(version)
-            if self._served <= version:
-                return None
+            while not self._use_store() and (self._failing or self._served <= version):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if self._failing and self.fallback is not None:   # wake when the grace ends
+                    left = min(left, FAILOVER_GRACE_S - (time.monotonic() - self._failed_at))
+                self._cond.wait(max(left, 0.01))
+        if self._use_store():   # polls the store until the deadline, or a relay answers again
+            return WeightSource.wait_newer(self, version, max(0.0, deadline - time.monotonic()))
         return self._pull(version)
 
 

@@ -114,6 +114,7 @@ def _restore_numpy(path: str) -> dict:
 
 
 STORE_READ_TIMEOUT_S = 300.0
+WRITE_TIMEOUT_S = 600.0   # Publisher.wait_until_written: one version's write to the store
 
 
 def _on_store_node(store: WeightStore, fn: Callable, *args):
@@ -316,10 +317,15 @@ class Publisher:
         if latest is not None and os.path.isdir(self.store.path(latest)):
             self._announce(master, latest)
 
-    def wait_until_written(self) -> None:
-        """Blocks until every write in flight is complete and announced (tests, shutdown)."""
+    def wait_until_written(self, timeout_s: float = WRITE_TIMEOUT_S) -> None:
+        """Blocks until every write in flight is complete and announced (tests, shutdown);
+        TimeoutError naming the version when one takes longer than `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
         for watcher in list(self._watchers):
-            watcher.join()
+            watcher.join(max(0.0, deadline - time.monotonic()))
+            if watcher.is_alive():
+                raise TimeoutError(f"Publisher: {watcher.name} still writing to {self.store.root} "
+                                   f"after {timeout_s:.0f} s")
 
     def close(self) -> None:
         self.wait_until_written()

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -57,6 +58,9 @@ from laminar_jax.weights.relay_state import Arrival, Served, Versions
 __all__ = ["RelayWorker", "Snapshot", "pull", "read", "TRANSPORTS"]
 
 TRANSPORTS = ("tcp", "object_store")
+STANDBY_WAIT_S = 600.0   # how long a standby master waits for the store's first version to warm on
+STANDBY_POLL_S = 0.5
+MAX_WAIT_S = 300.0       # the longest a `wait_newer` call waits inside the relay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,12 +146,43 @@ class RelayWorker:
     def ping(self) -> str:
         return self.name
 
-    def prepare_standby(self) -> None:
-        """The group's next master in line imports what a master needs (orbax, jax) ahead of
-        time, on a thread: a failover then costs a broadcast, not seconds of imports."""
+    def prepare_standby(self, role: master.MasterRole | None = None,
+                        wait_s: float = STANDBY_WAIT_S) -> None:
+        """The group's next master in line gets ready ahead of time, on a low-priority thread:
+        it imports what a master needs (orbax, jax) and, given `role`, runs one full master step
+        (`master.prepare`) on the store's newest version and throws the result away. A
+        process's first orbax restore costs seconds of CPU more than the next ones (tensorstore
+        and thread pools start, code paths warm up); a failover must cost a broadcast, not that.
+        The restore waits (up to `wait_s`) until this relay serves a version newer than the one
+        it served when asked: a standby named at a failover must not take cores from the new
+        master's first broadcast."""
+        served_then = self._versions.current_version
+
         def warm() -> None:
+            # imports at normal priority: the loop thread of a master elected meanwhile waits
+            # for them (the import lock), and must not wait on a thread that gets no CPU
             import orbax.checkpoint  # noqa: F401
             from laminar_jax.weights import publish  # noqa: F401
+            if role is None:
+                return
+            shared_buffer.background_priority()
+            deadline = time.monotonic() + wait_s
+            versions: list[int] = []
+            while time.monotonic() < deadline and self._role is None:
+                served = self._versions.current_version
+                if served is not None and (served_then is None or served > served_then):
+                    versions = role.store.versions() if os.path.isdir(role.store.root) else []
+                    break
+                time.sleep(STANDBY_POLL_S)
+            if not versions or self._role is not None:   # nothing to read, or master already
+                self._log("standby_ready", warmed=False)
+                return
+            try:
+                _, _, timings = master.prepare(role, versions[-1], role.store.path(versions[-1]))
+            except Exception as e:  # noqa: BLE001 - pruned meanwhile: the imports are warm anyway
+                self._log("standby_ready", warmed=False, error=repr(e))
+                return
+            self._log("standby_ready", warmed=True, version=versions[-1], **timings)
         threading.Thread(target=warm, name="standby-warm", daemon=True).start()
 
     def watch(self, seconds: float) -> str:
@@ -192,8 +227,10 @@ class RelayWorker:
         return _snapshot(self._versions.current)
 
     def wait_newer(self, version: int, timeout_s: float | None = None) -> Snapshot | None:
-        """The first complete version newer than `version`, or None after `timeout_s`."""
-        return _snapshot(self._versions.wait_newer(version, timeout_s))
+        """The first complete version newer than `version`, or None after `timeout_s` (None or
+        more: MAX_WAIT_S, so a caller that gave up never holds one of the actor's threads)."""
+        limit = MAX_WAIT_S if timeout_s is None else min(float(timeout_s), MAX_WAIT_S)
+        return _snapshot(self._versions.wait_newer(version, limit))
 
     def buffer_ref(self, version: int) -> list | None:
         """[ObjectRef] of the served buffer if it is still `version` (for a reader that cannot
@@ -292,7 +329,8 @@ class RelayWorker:
         arrival, state = claimed
         clock, timings = time.perf_counter(), arrival.timings
         try:
-            data = fetch.result()
+            # the fetch itself is bounded (fetch_timeout_s); this bounds its wait for a thread
+            data = fetch.result(timeout=2 * self._fetch_timeout_s)
         except Exception as e:  # noqa: BLE001 - upstream died or the object is gone
             # The relink after the failure resends what is missing.
             self._log("chunk_lost", version=manifest.version, chunk=i, error=type(e).__name__)

@@ -19,9 +19,14 @@ requests, pulls) always goes through Ray.
 Faults: a relay that stops answering with an actor error is evicted and `chain.relink` cuts it
 out; its upstream is re-pointed at its downstream and resends the chunks the downstream lacks. If
 the master died, the next relay of the chain becomes master and the publisher (and every
-`on_master_change` callback) is told, so the newest published version is announced to it again. A dead relay whose node is still alive
-is started again (up to `max_restarts` per group) and appended to the chain; its upstream resends
-it the current version. Meanwhile the rollouts of that node read the weight store directly
+`on_master_change` callback) is told, so the newest published version is announced to it again.
+That relay is warm: the next master in line always runs one master step ahead of time
+(`RelayWorker.prepare_standby`), so a failover costs about a normal broadcast, not a process's
+first orbax restore. A dead relay whose node is still alive is started again (up to
+`max_restarts` per group) and appended to the chain; its upstream resends it the current
+version. The start does not block the group (the heartbeat moves it on), and after a master
+failover it waits for the new master's first broadcast (RESTART_DEFER_S at most): a relay
+process starting takes the cores that broadcast needs. Meanwhile the rollouts of that node read the weight store directly
 (`runtime.weights_source.RelaySource`), so a relay's death never costs a rollout.
 `start_monitor(interval_s)` runs `check` on a thread, so a master's death is repaired within about
 interval_s, not at the driver's next relay check. Every control call has a timeout (CALL_TIMEOUT_S).
@@ -31,8 +36,10 @@ e.g. the embedded cluster or an emulated multi-node one), on the node IP only ac
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import ray
@@ -50,8 +57,20 @@ DEFAULT_PREFIX = "laminar-relay"
 # an actor call and a pull (~2 ms), so chunks there stay large.
 MAX_CHUNK_BYTES = {"tcp": 16 * 2**20, "object_store": 64 * 2**20}
 CALL_TIMEOUT_S = 300.0   # generous: a relay process starting on a loaded machine takes a minute
+# after a master failover, relay restarts wait for the new master's first broadcast, this long at most
+RESTART_DEFER_S = 10.0
+MASTER_POLL_S = 5.0     # the heartbeat's question to the master about its served version
 WATCH_S = 30.0          # length of one relay `watch` call of the monitor (re-armed when it returns)
 LOOPBACK = "127.0.0.1"
+
+
+@dataclasses.dataclass
+class _Restart:
+    due: float                 # monotonic time the relay process may start
+    after: int | None          # ... or once the master serves a version newer than this
+    handle: Any = None
+    ping: Any = None
+    started: float = 0.0
 
 
 def _locked(method: Callable) -> Callable:
@@ -146,10 +165,13 @@ class RelayGroup:
                                  shared_links=shared_links, idle_timeout_s=idle_timeout_s,
                                  max_connections=max_connections, host=stream_host(nodes))
         self.max_restarts, self.restarts = max_restarts, 0
+        self.checks = 0                     # heartbeat rounds run (the monitor's cadence)
         self._lock = threading.RLock()      # check() on the monitor thread vs. the caller's calls
         self._monitor: threading.Thread | None = None
         self._monitor_stop = threading.Event()
         self.order: tuple[str, ...] = chain.chain_order(nodes, master_node)
+        self._pending: dict[str, _Restart] = {}   # dead relays being started again
+        self._standby: str | None = None    # the warmed next master in line
         self.relays: dict[str, Any] = {node: self._start(node) for node in self.order}
         placed = ray.get([r.node_id.remote() for r in self.relays.values()], timeout=CALL_TIMEOUT_S)
         for node, actual in zip(self.relays, placed):
@@ -171,18 +193,24 @@ class RelayGroup:
         # k is chosen for the pipeline depth; a fan-out has one hop per relay.
         return len(self.order) if self.topology == "chain" else min(2, len(self.order))
 
-    def _configure_master(self) -> None:
+    def _configure_master(self) -> MasterRole:
         # k depends on the chain length, so the master is told again whenever it changes.
         role = MasterRole(store=self.store, cfg=self.cfg, chain_length=self._chain_length(),
                           **self._role_args)
         ray.get(self.master.configure_master.remote(role), timeout=CALL_TIMEOUT_S)
+        return role
+
+    def _standby_for(self, role: MasterRole) -> None:
+        """Warms the next master in line (`RelayWorker.prepare_standby`) when it changed."""
+        standby = self.order[1] if len(self.order) > 1 else None
+        if standby is not None and standby != self._standby:
+            self.relays[standby].prepare_standby.remote(role)
+        self._standby = standby
 
     def _make_master(self) -> None:
         """Makes the chain's head the master and tells the publisher and callbacks; the next
         relay in line warms up as standby master (`RelayWorker.prepare_standby`)."""
-        self._configure_master()
-        if len(self.order) > 1:
-            self.relays[self.order[1]].prepare_standby.remote()
+        self._standby_for(self._configure_master())
         master = self.master
         if self._publisher is not None:
             self._publisher.set_master(master)
@@ -248,6 +276,7 @@ class RelayGroup:
             return self._check(timeout_s)
 
     def _check(self, timeout_s: float) -> list[str]:
+        self.checks += 1
         pings = {node: self.relays[node].ping.remote() for node in self.order}
         ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
         dead = []
@@ -258,26 +287,62 @@ class RelayGroup:
                 self._events("relay_slow", relay=node)
             except ray.exceptions.RayActorError:
                 dead.append(node)
+        master_died = any(node == self.order[0] for node in dead)
         for node in dead:
             self.remove(node, dead=True)
         alive = set(_alive_nodes())
         for node in dead:
-            if node not in alive or node in self.relays:
+            if node not in alive or node in self.relays or node in self._pending:
                 continue
             if self.restarts >= self.max_restarts:
                 self._events("relay_not_restarted", relay=node, restarts=self.restarts,
                              max_restarts=self.max_restarts)
                 continue
             self.restarts += 1
+            # After a failover the new master's first broadcast goes first: a relay process
+            # starting (imports, a raylet worker) takes the cores that broadcast needs.
+            after = self._served_by_master() if master_died and self.order else None
+            self._pending[node] = _Restart(due=time.monotonic() + (RESTART_DEFER_S if master_died else 0.0),
+                                           after=after)
+        self._advance_restarts()
+        return dead
+
+    def _served_by_master(self) -> int:
+        """The version the master serves (-1: none yet); a very large number when it does not
+        answer at once, so a deferred restart does not wait on it."""
+        try:
+            snap = ray.get(self.master.latest.remote(), timeout=MASTER_POLL_S)
+        except Exception:  # noqa: BLE001 - slow or dead: the next heartbeat handles the master
+            return 1 << 62
+        return -1 if snap is None else snap.version
+
+    def _advance_restarts(self) -> None:
+        """Moves each pending restart on without blocking: start the relay process when due (or
+        once the master served a version newer than at the failover), link it into the chain
+        once it answers, give up after CALL_TIMEOUT_S. The monitor calls this every round."""
+        now = time.monotonic()
+        for node, job in list(self._pending.items()):
+            if job.handle is None:
+                if now < job.due and (job.after is None or self._served_by_master() <= job.after):
+                    continue
+                job.handle, job.ping, job.started = self._start(node), None, now
+                job.ping = job.handle.ping.remote()
+            ready, _ = ray.wait([job.ping], timeout=0)
+            if not ready and now - job.started < CALL_TIMEOUT_S:
+                continue
+            del self._pending[node]
             try:
-                self.add(node)
+                ray.get(job.ping, timeout=0)
+                if node not in set(_alive_nodes()):
+                    raise RuntimeError("its node died meanwhile")
+                self._link_new(node, job.handle)
             except Exception as e:  # noqa: BLE001 - its rollouts keep reading the store meanwhile
                 self.relays.pop(node, None)
                 self.order = tuple(n for n in self.order if n != node)
+                ray.kill(job.handle, no_restart=True)
                 self._events("relay_restart_failed", relay=node, error=repr(e))
                 continue
             self._events("relay_restarted", relay=node, restarts=self.restarts)
-        return dead
 
     def start_monitor(self, interval_s: float) -> None:
         """`check()` on a daemon thread until `shutdown()`: every interval_s, and at once when a
@@ -330,19 +395,28 @@ class RelayGroup:
             upstream = old_order[old_order.index(node) - 1]
             self._wire(self.order, only={upstream})
         if not was_master:
-            self._configure_master()
+            self._standby_for(self._configure_master())
 
     @_locked
     def add(self, node: str) -> Any:
         """A relay on a new node, appended to the chain; it receives the current version."""
         if node in self.relays:
             raise ValueError(f"RelayGroup.add: node {node!r} already has a relay")
-        self.relays[node] = self._start(node)
-        ray.get(self.relays[node].ping.remote(), timeout=CALL_TIMEOUT_S)
+        handle = self._start(node)
+        ray.get(handle.ping.remote(), timeout=CALL_TIMEOUT_S)
+        return self._link_new(node, handle)
+
+    def _link_new(self, node: str, handle: Any) -> Any:
+        self.relays[node] = handle
+        if not self.order:   # every other relay died meanwhile: this one is the chain
+            self.order = (node,)
+            self._events("relay_started", relay=node)
+            self._make_master()
+            return handle
         tail = self.order[-1]
         self.order = self.order + (node,)
         self._events("relay_started", relay=node)
-        self._configure_master()
+        self._standby_for(self._configure_master())
         self._wire(self.order, only={self.order[0] if self.topology == "fanout" else tail})
         return self.relays[node]
 
@@ -350,7 +424,10 @@ class RelayGroup:
         self._monitor_stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=CALL_TIMEOUT_S)
-        for handle in self.relays.values():
-            ray.kill(handle, no_restart=True)
-        self.relays.clear()
+        with self._lock:
+            for handle in [*self.relays.values(), *(j.handle for j in self._pending.values())]:
+                if handle is not None:
+                    ray.kill(handle, no_restart=True)
+            self.relays.clear()
+            self._pending.clear()
         self.order = ()

@@ -128,7 +128,7 @@ class Downstream:
             done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
         for result in done:   # collect errors of offers to dead relays so Ray does not warn
             try:
-                ray.get(result)
+                ray.get(result, timeout=0)   # ready: answers at once
             except Exception:  # noqa: BLE001 - the heartbeat reports dead relays
                 pass
 

@@ -33,6 +33,10 @@ import numpy as np
 __all__ = ["BufferHandle", "BufferGone", "NotLocal", "SharedBuffer", "BufferPool", "available",
            "host_key", "open_handle", "drop_later", "background_priority"]
 
+# `take` waits this long for a buffer being prepared in the background (a loaded host faults
+# pages in slowly), then allocates its own
+PREPARE_TIMEOUT_S = 30.0
+
 
 class BufferGone(LookupError):
     """The buffer was released (a newer version replaced it): ask for the latest again."""
@@ -185,7 +189,7 @@ class BufferPool:
         with self._lock:
             thread = self._thread
         if thread is not None:
-            thread.join()
+            thread.join(PREPARE_TIMEOUT_S)   # still faulting pages after that: a new buffer
         with self._lock:
             ready, self._ready = self._ready, None
         if ready is not None and ready.nbytes == nbytes:

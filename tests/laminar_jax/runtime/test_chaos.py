@@ -1,19 +1,32 @@
 """The chaos benchmark's short version (experiments/chaos.py --short): on the package's 2-node
 cluster, a rollout, a relay and the master relay are killed for real (ray.kill) while the run
 trains on emulated-latency engines. Nothing is lost or consumed twice, the killed rollout is
-replaced, the relay restarted, and every fault is recovered from."""
+replaced, the relay restarted, and every fault is recovered from.
+
+The same run shows the relay settings at work on the relays the run builds from its config:
+relay.max_restarts=1 restarts the first dead relay and not the dead master (its node's rollouts
+then read the other node's relay); relay.check_interval_s sets the heartbeat cadence;
+relay.max_connections and relay.idle_timeout_s bound the master's stream server (a probe opens
+connections to it while the run trains)."""
 import pytest
 
 from experiments import chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")]
 
+MAX_CONNECTIONS, IDLE_S, CHECK_S, DURATION_S = 4, 3.0, 0.25, 40.0
+
 
 def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, warm_model, tmp_path):
     faults = [(6.0, "rollout"), (14.0, "relay"), (22.0, "master")]
-    r = chaos.run_chaos(warm_model, str(tmp_path), "chaos", duration_s=40.0, faults=faults, rollouts=3,
-                        window_s=5.0)
+    extra = {"relay.max_restarts": 1, "relay.check_interval_s": CHECK_S,
+             "relay.max_connections": MAX_CONNECTIONS, "relay.idle_timeout_s": IDLE_S}
+    r = chaos.run_chaos(warm_model, str(tmp_path), "chaos", duration_s=DURATION_S, faults=faults, rollouts=3,
+                        window_s=5.0, extra=extra,
+                        probe=lambda fleet: chaos.probe_streams(fleet, max_connections=MAX_CONNECTIONS))
     print(chaos.table(r))
+    print({k: r[k] for k in ("master_failover", "relay_checks", "probe", "relays_not_restarted",
+                             "foreign_relay_pulls")})
     assert [f["kind"] for f in r["faults"]] == ["rollout", "relay", "master"]
     assert all(f["target"] for f in r["faults"])
     assert r["lost"] == 0 and r["groups_consumed_twice"] == 0 and r["duplicate_trajectory_rows"] == 0
@@ -21,3 +34,18 @@ def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, wa
     for f in r["faults"]:
         assert f["recover_s"] is not None, f        # replaced / restarted / the next version arrived
     assert r["faults"][1]["note"] == "relay restarted"
+    # relay.max_restarts=1: the relay was restarted, the master (the second death) was not, and
+    # the rollouts of its node went on through the other node's relay, not the weight store
+    assert r["relays_restarted"] == 1
+    assert [(e["relay"], e["max_restarts"]) for e in r["relays_not_restarted"]] == [(r["faults"][2]["target"], 1)]
+    assert r["foreign_relay_pulls"] >= 1
+    # relay.check_interval_s=0.25: about 4 heartbeat rounds a second (the default 1.0 gives 1)
+    assert r["relay_checks"] >= 0.5 * DURATION_S / CHECK_S, r["relay_checks"]
+    # relay.max_connections=4: of 6 greeted connections, 2 were closed on accept; the other 4
+    # after relay.idle_timeout_s=3 s of silence
+    p = r["probe"]
+    assert (p["refused"], p["idle_closed"], p["never_closed"]) == (2, MAX_CONNECTIONS, 0), p
+    assert 0.8 * IDLE_S <= p["idle_closed_s"] <= IDLE_S + 5.0, p
+    # the first version after the master's death reached every live relay and rollout
+    m = r["master_failover"]
+    assert m["relays_s"] is not None and m["rollouts_s"] is not None, m

@@ -153,3 +153,17 @@ def test_store_paths_and_readability(tmp_path):
     assert os.listdir(str(tmp_path)) == ["v0000000003"]
     with pytest.raises(ValueError, match="version must be an int >= 0"):
         store.path(-2)
+
+
+def test_wait_until_written_is_bounded_and_names_the_stuck_write(tmp_path):
+    """No un-timed wait on the weight path: a write that never finishes (gated storage) makes
+    `wait_until_written` raise within its timeout, naming the version, instead of hanging."""
+    params = nnx.to_pure_dict(nnx.split(Decoder(CFG, rngs=nnx.Rngs(1)), nnx.Param)[1])
+    pub = _GatedPublisher(publish.WeightStore.local(str(tmp_path / "store")), dtype="float32")
+    pub.publish(1, params)
+    with pytest.raises(TimeoutError, match="publish-v1 still writing"):
+        pub.wait_until_written(timeout_s=0.3)
+    pub.made[0].gate.set()
+    pub.wait_until_written(timeout_s=60)
+    assert pub.latest_written == 1
+    pub.close()

@@ -364,26 +364,32 @@ def _broadcast_s(stack, seed):
 
 def test_monitor_restarts_a_dead_relay_and_a_dead_master_is_replaced_within_seconds(stack):
     """The monitor (`start_monitor`) notices a death through the relay's open `watch` call: the
-    version published right after the master is killed reaches every relay within seconds
-    (printed against a normal broadcast, best of three), and the dead relay's node gets a new
-    relay (`max_restarts`) that serves that version too."""
+    version published right after the master is killed reaches every live relay within 3x a
+    normal broadcast (median of three; the issue's target is 2x, 3x leaves room for CI noise):
+    the next master in line is warm (`prepare_standby`), and the dead relay's restart waits for
+    the new master's first broadcast. The dead relay's node then gets a new relay
+    (`max_restarts`) that serves that version too."""
     group, log = stack.group, stack.log
     group.max_restarts = 2
     group.start_monitor(5.0)          # a long period: only the watch can make failover fast
-    normal = min(_broadcast_s(stack, 20 + i)[0] for i in range(3))
+    normal = sorted(_broadcast_s(stack, 20 + i)[0] for i in range(3))[1]
     old_master = group.master_node
     ray.kill(group.master, no_restart=True)
     failover_s, version = _broadcast_s(stack, 30)
     group.collect_events()
-    timeline = [(round(r["t"] - log.records("relay_dead")[-1]["t"], 3), r["kind"], r.get("relay"))
-                for r in log.records() if r["t"] >= log.records("relay_dead")[-1]["t"] - 1.5][:40]
+    t_dead = log.records("relay_dead")[-1]["t"]
+    timeline = [(round(r["t"] - t_dead, 3), r["kind"], r.get("relay"), r.get("read_s"))
+                for r in log.records() if r["t"] >= t_dead - 0.5 and r["kind"] not in ("publish_start", "publish_returned")][:30]
     print(f"normal broadcast {normal * 1e3:.0f} ms, after the master's death {failover_s * 1e3:.0f} ms "
           f"({failover_s / normal:.2f}x)")
-    # The death is seen at once (the watch); what remains is the new master's first restore and
-    # its first stream, which cost seconds on a loaded 2-core box (README: measured ratio). Before
-    # the monitor, nothing arrived for >= 30 s.
-    assert failover_s < 10.0, (failover_s, normal, timeline)
+    assert [r["relay"] for r in log.records("standby_ready") if r["warmed"]], "no standby was warmed"
+    assert failover_s <= 3.0 * normal, (failover_s, normal, timeline)
+    # the dead relay's process was started only after the new master's first broadcast
     wait_for(lambda: old_master in group.relays, what="the dead master's node to get a relay again")
+    group.collect_events()
+    first_new = min(r["t"] for r in log.records("relay_received", version=version))
+    restarted = [r["t"] for r in log.records("relay_started") if r["relay"] == old_master and r["t"] > t_dead]
+    assert restarted and min(restarted) >= first_new, (restarted, first_new)
     assert group.master_node != old_master and old_master in group.order, group.order
     _await_version(group, version, nodes=[old_master])
     group.collect_events()

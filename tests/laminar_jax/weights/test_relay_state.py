@@ -77,3 +77,16 @@ def test_a_chunk_that_comes_another_way_makes_the_version_private_with_every_byt
     assert versions.done_receiving(arrival, 3) and versions.accept(arrival, 3, "shared_memory")
     assert np.array_equal(arrival.buffer, want)
     assert [(k, f["chunks"]) for k, f in events] == [("version_privatized", 2)]
+
+
+def test_a_relay_wait_without_a_limit_still_ends(monkeypatch):
+    """`RelayWorker.wait_newer(version, None)` waits at most MAX_WAIT_S inside the relay, so a
+    caller that gave up (its ray.get timed out) never pins one of the actor's threads for good."""
+    import time
+
+    from laminar_jax.weights import relay
+    monkeypatch.setattr(relay, "MAX_WAIT_S", 0.2)
+    worker = relay.RelayWorker("n0", transport="object_store", shared_memory=False)
+    t0 = time.monotonic()
+    assert worker.wait_newer(-1, None) is None and worker.wait_newer(-1, 30.0) is None
+    assert time.monotonic() - t0 < 5.0
