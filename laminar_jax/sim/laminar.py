@@ -32,6 +32,12 @@ class Laminar(Policy):
         self.barrier = False
         self.rp = sim.cfg.repack
         self.moves_kv = self.rp.transfer == "kv"
+        # max_staleness (None = observed, the paper's): a rollout takes fresh trajectories only
+        # while their global batch is at most `bound` versions past its weights
+        # (`modes.bounded_issue_limit`); the buffer drops the few that finish later still
+        self.bound = modes.issue_bound(sim.mode, max_staleness=self.system.max_staleness)
+        sim.buffer.max_staleness = self.bound
+        self.gated: list = []               # rollouts waiting for the learner to advance
 
     def start(self):
         for r in self.sim.rollouts:
@@ -80,8 +86,26 @@ class Laminar(Policy):
         if r.held:
             r.phase = "blocked"
             return
+        sim = self.sim
+        take = self.system.max_concurrency
+        # a dropped (stale) group never lands in a batch, so it does not push later ones back
+        limit = modes.bounded_issue_limit(next_position=sim.issued - sim.buffer.dropped_trajectories,
+                                          weight_version=r.version,
+                                          global_batch=sim.B, bound=self.bound)
+        if limit is not None:
+            # the rollouts waiting for work (gated, or pulling the version that opened more)
+            # share what is open instead of the first one taking it all and the rest idling
+            asking = 1 + sum(1 for o in sim.rollouts
+                             if o is not r and o.alive and o.phase in ("gated", "pull"))
+            limit = max(sim.gs, limit // asking // sim.gs * sim.gs) if limit >= sim.gs else limit
+            # re-queued trajectories (a dead machine's) belong to batches already open
+            take = min(take, len(sim.requeued) + limit)
+            if take < sim.gs and not sim.requeued:
+                r.phase = "gated"       # the bound: wait for the learner, then pull and retry
+                self.gated.append(r)
+                return
         r.phase = "run"
-        self.sim.assign(r, self.sim.take_trajectories(self.system.max_concurrency))
+        sim.assign(r, sim.take_trajectories(take))
 
     def on_drained(self, r):
         if r.phase == "run":
@@ -106,13 +130,18 @@ class Laminar(Policy):
 
     def _after_publish(self, _=None) -> None:
         self.try_train()
+        if self.gated:              # the new version opens one more global batch to them
+            gated, self.gated = self.gated, []
+            gated = [r for r in gated if r.alive and r.phase == "gated"]
+            for r in gated:
+                self.next_batch(r)
         if self.repack:
             self._repack()
 
     def _check_barrier(self) -> None:
         if self.pending is None or self.barrier:
             return
-        if all(r.phase in ("wait", "blocked") for r in self.alive_rollouts()):
+        if all(r.phase in ("wait", "blocked", "gated") for r in self.alive_rollouts()):
             self.barrier = True
             self.sim.push(self.sim.now + self.sim.sync_time, self._barrier_done)
 
