@@ -38,6 +38,8 @@ class Laminar(Policy):
         self.bound = modes.issue_bound(sim.mode, max_staleness=self.system.max_staleness)
         sim.buffer.max_staleness = self.bound
         self.gated: list = []               # rollouts waiting for the learner to advance
+        self.pulling = 0                    # rollouts loading a version (they ask next)
+        self.waking = 0                     # gated rollouts being woken by a publish, not yet asked
 
     def start(self):
         for r in self.sim.rollouts:
@@ -68,12 +70,14 @@ class Laminar(Policy):
         if v > r.version:
             # the version may still travel down the chain: wait for it, then load it
             r.phase = "pull"
+            self.pulling += 1
             sim.push(max(ready, sim.now) + sim.pull_time, self._pull_done, (r, v, sim.now))
         else:
             self._start_batch(r)
 
     def _pull_done(self, arg) -> None:
         r, v, asked = arg
+        self.pulling -= 1
         if not r.alive or r.phase != "pull":
             return
         r.version = v
@@ -95,8 +99,7 @@ class Laminar(Policy):
         if limit is not None:
             # the rollouts waiting for work (gated, or pulling the version that opened more)
             # share what is open instead of the first one taking it all and the rest idling
-            asking = 1 + sum(1 for o in sim.rollouts
-                             if o is not r and o.alive and o.phase in ("gated", "pull"))
+            asking = 1 + len(self.gated) + self.pulling + self.waking     # counters: O(1)
             limit = max(sim.gs, limit // asking // sim.gs * sim.gs) if limit >= sim.gs else limit
             # re-queued trajectories (a dead machine's) belong to batches already open
             take = min(take, len(sim.requeued) + limit)
@@ -133,7 +136,9 @@ class Laminar(Policy):
         if self.gated:              # the new version opens one more global batch to them
             gated, self.gated = self.gated, []
             gated = [r for r in gated if r.alive and r.phase == "gated"]
+            self.waking = len(gated)
             for r in gated:
+                self.waking -= 1
                 self.next_batch(r)
         if self.repack:
             self._repack()
