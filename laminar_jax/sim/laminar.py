@@ -155,7 +155,11 @@ class Laminar(Policy):
         v, self.pending, self.barrier = self.pending, None, False
         sim.learner_blocked_until = sim.now
         sim.log("global_sync", version=v)
-        for r in self.alive_rollouts():
+        self.gated = []             # every rollout asks again below (gated ones re-queue)
+        alive = self.alive_rollouts()
+        self.waking = len(alive)    # they ask together: fair shares of what is open
+        for r in alive:
+            self.waking -= 1
             r.version = v
             self._start_batch(r)
         self.try_train()

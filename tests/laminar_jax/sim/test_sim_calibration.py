@@ -6,8 +6,8 @@ Two tiers:
   one iteration; the asynchronous ones need a few to fill their pipelines): each cell within
   the configs' tolerance (25%), the paper's ordering and Laminar's speedup over verl at the
   largest scale, and the scaling trend. AReaL at the largest 7B scale needs the paper's full
-  warm-up (with eta = infinity its batches only reach their steady token count after about ten
-  updates), so the fast tier leaves it to the full one.
+  warm-up (its batches reach their steady token count only after several updates), so the
+  fast tier leaves it to the full one.
 - full (`slow`): every cell of both tables with the paper's protocol (5 measured updates after
   10 warm-up ones), each within 25% of the paper, steady, and with staleness within its
   mode's bound (`modes.issue_bound`: 4 for AReaL and Laminar in the paper configs): the docs
