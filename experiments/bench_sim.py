@@ -83,11 +83,11 @@ def scale_part(config: str, scales: list[int], updates: int) -> list[dict]:
     return rows
 
 
-def table_part(configs: list[str]) -> list[dict]:
+def table_part(configs: list[str], writes: tuple[str, ...] = ("full", "summary")) -> list[dict]:
     rows = []
     print("paper tables through `laminar simulate`'s path (sim.cli.simulate), writing folders")
     for config in configs:
-        for write in ("full", "summary"):
+        for write in writes:
             with tempfile.TemporaryDirectory() as tmp:
                 cfg = load_sim_config(config, [f"run.out_dir={tmp}", f"run.write={write}"])
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -108,6 +108,7 @@ def main(argv=None) -> None:
     p.add_argument("--updates", type=int, default=13)
     p.add_argument("--tables", default="configs/sim/paper_7b_math.yaml,configs/sim/paper_32b_math.yaml")
     p.add_argument("--skip-tables", action="store_true")
+    p.add_argument("--writes", default="full,summary", help="run.write levels of the table part")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     out = {"machine": platform.processor() or platform.machine(), "argv": vars(args)}
@@ -115,7 +116,7 @@ def main(argv=None) -> None:
         out["scale"] = scale_part(args.config, [int(x) for x in args.scales.split(",")],
                                   args.updates)
     if not args.skip_tables:
-        out["tables"] = table_part(args.tables.split(","))
+        out["tables"] = table_part(args.tables.split(","), tuple(args.writes.split(",")))
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(out, indent=1, default=float) + "\n")
     print(f"wrote {args.out}")

@@ -51,6 +51,8 @@ __all__ = [
     "may_pull_weights",
     "repacks",
     "batch_of",
+    "issue_bound",
+    "bounded_issue_limit",
 ]
 
 
@@ -277,3 +279,45 @@ def refills_continuously(mode: str) -> bool:
 def repacks(mode: str, *, enabled: bool) -> bool:
     """Whether the manager runs the repack plan: modes that may repack (laminar), when enabled."""
     return rules(mode).may_repack and bool(enabled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue gate by a staleness bound (read by the simulator's asynchronous policies; additive: the
+# runtime's call sites above are unchanged).
+
+def issue_bound(mode: str, *, max_staleness: int | None) -> int | None:
+    """The staleness bound a producer's issue is gated by, None = ungated.
+
+    The mode's bound (`staleness_bound`: AReaL's eta for partial) when it has one; for a mode
+    whose staleness is observed, not configured (laminar: bound None, not bound_from_setting),
+    the setting `max_staleness` when given (the runtime's `manager.max_staleness`, which its
+    driver only warns on). None when neither bounds it (partial with eta = inf).
+    """
+    r = rules(mode)
+    bound = staleness_bound(mode, max_staleness=max_staleness)
+    if bound is None and not r.bound_from_setting:
+        bound = max_staleness
+    return bound
+
+
+def bounded_issue_limit(*, next_position: int, weight_version: int, global_batch: int,
+                        bound: int | None) -> int | None:
+    """How many fresh trajectories, from stream position `next_position` on, a producer on
+    `weight_version` may take so that none lands in a global batch more than `bound` versions
+    later (FIFO batches: position p is in batch p // global_batch):
+
+        limit = max(0, (weight_version + bound + 1) * global_batch - next_position)
+
+    AReaL's submission rule (`may_submit`, floor((N_r - 1) / B) <= i + eta) with the producer's
+    own weight version for i. None when bound is None (no gate). Trajectories that finish out of
+    order can still be consumed later than their batch; a buffer staleness filter (the runtime's
+    `ExperienceBuffer(max_staleness=...)`) drops those, so the bound holds exactly.
+    """
+    _check_version("next_position", next_position)
+    _check_version("weight_version", weight_version)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch: expected an int >= 1, got {global_batch!r}")
+    if bound is None:
+        return None
+    _check_version("bound", bound)
+    return max(0, (weight_version + bound + 1) * global_batch - next_position)

@@ -15,6 +15,12 @@ behind `runtime.data_actor.DataActor` (`data.buffer_groups`, `data.buffer_when_f
   global batch in the global-batch modes), which frees room: held groups are then retried in the
   order they were refused (the runtime retries per rollout tick; the simulator has no ticks).
 
+With `max_staleness` set (the simulator sets the asynchronous modes' bound, as the runtime's
+`DataActor` sets AReaL's eta on its `ExperienceBuffer`), `drop_stale(learner_version)` drops
+the buffered groups more than that many versions behind the learner (the runtime's
+`ExperienceBuffer.drop_stale`): groups that finished so far out of order that the issue gate
+could not bound them.
+
 Records carry `seq` (arrival number) and `gen_version` (the oldest version among the group's
 trajectories), the two fields the runtime's eviction policies read.
 """
@@ -40,7 +46,8 @@ class BufferedGroup:
 class SimBuffer:
     """Groups waiting for the learner, plus the groups rollouts hold because it was full."""
 
-    def __init__(self, capacity: int, when_full: str):
+    def __init__(self, capacity: int, when_full: str, max_staleness: int | None = None, *,
+                 group_size: int = 1):
         if capacity < 1:
             raise ValueError(f"data.buffer_groups: expected an int >= 1, got {capacity!r}")
         self.capacity = capacity
@@ -51,6 +58,10 @@ class SimBuffer:
         self._seq = 0
         self.evicted: list[BufferedGroup] = []
         self.refused = 0
+        self.max_staleness = max_staleness
+        self.dropped_stale: list[BufferedGroup] = []
+        self.group_size = group_size
+        self.dropped_trajectories = 0       # in the dropped groups (group_size each)
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -95,6 +106,19 @@ class SimBuffer:
         while self.held and self.put(self.held[0][0]):
             out.append(self.held.popleft())
         return out
+
+    def drop_stale(self, learner_version: int) -> int:
+        """Drop buffered groups with learner_version - gen_version > max_staleness; how many."""
+        bound = self.max_staleness
+        if bound is None or not self.groups:
+            return 0
+        keep = deque()
+        for r in self.groups:
+            (self.dropped_stale if learner_version - r.gen_version > bound else keep).append(r)
+        dropped = len(self.groups) - len(keep)
+        self.groups = keep
+        self.dropped_trajectories += dropped * self.group_size
+        return dropped
 
     def take_fifo(self, count: int) -> list[BufferedGroup] | None:
         """The `count` oldest groups, or None (nothing taken) when fewer are buffered."""

@@ -315,7 +315,9 @@ class SystemSpec:
     max_num_seqs: engine cap on running sequences. max_concurrency: per-rollout batch
     (laminar) or in-flight cap (partial). colocated: learner and rollouts time-share all
     accelerators (verl). relays: laminar's relay tier (False = global sync barrier).
-    max_staleness: bound for stream / partial (None = unbounded).
+    max_staleness: bound for stream / partial (None = unbounded); laminar (staleness observed,
+    None = ungated, the paper's): the bound of its issue gate and buffer staleness filter
+    (`modes.issue_bound`, `modes.bounded_issue_limit`), as for partial's eta.
     weight_transfer: how a partial-rollout system moves a version: "nccl" (global GPU sync,
     both sides stall) or "storage" (the learner writes it to shared storage, then every rollout
     is interrupted and reads it).

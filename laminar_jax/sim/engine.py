@@ -102,7 +102,8 @@ class Sim:
         self.learner_blocked_until = 0.0
         self.learner_busy_int = 0.0
         self._learner_t0 = 0.0
-        self.buffer = SimBuffer(cfg.buffer_capacity(), cfg.data.buffer_when_full)
+        self.buffer = SimBuffer(cfg.buffer_capacity(), cfg.data.buffer_when_full,
+                                group_size=self.gs)
         # consumed trajectories: id, learner version, time (parallel lists; `consumed` zips them)
         self.consumed_ids: list[int] = []
         self.consumed_versions: list[int] = []
@@ -577,6 +578,7 @@ class Sim:
         out["buffer_groups_mean"] = float(np.mean([s["buffer_groups"] for s in meas]))
         out["held_groups_mean"] = float(np.mean([s["held_groups"] for s in meas]))
         out["evicted_groups"] = len(self.buffer.evicted)
+        out["dropped_stale_groups"] = len(self.buffer.dropped_stale)
         out["weight_wait_s"] = (float(np.mean(self.weight_waits)) if self.weight_waits
                                 else float("nan"))
         out.update(self.steady_state())

@@ -32,6 +32,14 @@ class Laminar(Policy):
         self.barrier = False
         self.rp = sim.cfg.repack
         self.moves_kv = self.rp.transfer == "kv"
+        # max_staleness (None = observed, the paper's): a rollout takes fresh trajectories only
+        # while their global batch is at most `bound` versions past its weights
+        # (`modes.bounded_issue_limit`); the buffer drops the few that finish later still
+        self.bound = modes.issue_bound(sim.mode, max_staleness=self.system.max_staleness)
+        sim.buffer.max_staleness = self.bound
+        self.gated: list = []               # rollouts waiting for the learner to advance
+        self.pulling = 0                    # rollouts loading a version (they ask next)
+        self.waking = 0                     # gated rollouts being woken by a publish, not yet asked
 
     def start(self):
         for r in self.sim.rollouts:
@@ -62,12 +70,14 @@ class Laminar(Policy):
         if v > r.version:
             # the version may still travel down the chain: wait for it, then load it
             r.phase = "pull"
+            self.pulling += 1
             sim.push(max(ready, sim.now) + sim.pull_time, self._pull_done, (r, v, sim.now))
         else:
             self._start_batch(r)
 
     def _pull_done(self, arg) -> None:
         r, v, asked = arg
+        self.pulling -= 1
         if not r.alive or r.phase != "pull":
             return
         r.version = v
@@ -80,8 +90,25 @@ class Laminar(Policy):
         if r.held:
             r.phase = "blocked"
             return
+        sim = self.sim
+        take = self.system.max_concurrency
+        # a dropped (stale) group never lands in a batch, so it does not push later ones back
+        limit = modes.bounded_issue_limit(next_position=sim.issued - sim.buffer.dropped_trajectories,
+                                          weight_version=r.version,
+                                          global_batch=sim.B, bound=self.bound)
+        if limit is not None:
+            # the rollouts waiting for work (gated, or pulling the version that opened more)
+            # share what is open instead of the first one taking it all and the rest idling
+            asking = 1 + len(self.gated) + self.pulling + self.waking     # counters: O(1)
+            limit = max(sim.gs, limit // asking // sim.gs * sim.gs) if limit >= sim.gs else limit
+            # re-queued trajectories (a dead machine's) belong to batches already open
+            take = min(take, len(sim.requeued) + limit)
+            if take < sim.gs and not sim.requeued:
+                r.phase = "gated"       # the bound: wait for the learner, then pull and retry
+                self.gated.append(r)
+                return
         r.phase = "run"
-        self.sim.assign(r, self.sim.take_trajectories(self.system.max_concurrency))
+        sim.assign(r, sim.take_trajectories(take))
 
     def on_drained(self, r):
         if r.phase == "run":
@@ -106,13 +133,20 @@ class Laminar(Policy):
 
     def _after_publish(self, _=None) -> None:
         self.try_train()
+        if self.gated:              # the new version opens one more global batch to them
+            gated, self.gated = self.gated, []
+            gated = [r for r in gated if r.alive and r.phase == "gated"]
+            self.waking = len(gated)
+            for r in gated:
+                self.waking -= 1
+                self.next_batch(r)
         if self.repack:
             self._repack()
 
     def _check_barrier(self) -> None:
         if self.pending is None or self.barrier:
             return
-        if all(r.phase in ("wait", "blocked") for r in self.alive_rollouts()):
+        if all(r.phase in ("wait", "blocked", "gated") for r in self.alive_rollouts()):
             self.barrier = True
             self.sim.push(self.sim.now + self.sim.sync_time, self._barrier_done)
 
@@ -121,7 +155,11 @@ class Laminar(Policy):
         v, self.pending, self.barrier = self.pending, None, False
         sim.learner_blocked_until = sim.now
         sim.log("global_sync", version=v)
-        for r in self.alive_rollouts():
+        self.gated = []             # every rollout asks again below (gated ones re-queue)
+        alive = self.alive_rollouts()
+        self.waking = len(alive)    # they ask together: fair shares of what is open
+        for r in alive:
+            self.waking -= 1
             r.version = v
             self._start_batch(r)
         self.try_train()

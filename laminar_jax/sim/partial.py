@@ -33,6 +33,9 @@ class Partial(Policy):
         super().__init__(sim)
         self.eta = modes.staleness_bound(sim.mode, max_staleness=self.system.max_staleness)
         self.submitted = 0
+        # as the runtime's DataActor: groups finished so late that they are staler than eta
+        # are dropped by the buffer, so the bound holds although completion is out of order
+        sim.buffer.max_staleness = self.eta
 
     def start(self):
         for r in self.sim.rollouts:
@@ -41,13 +44,18 @@ class Partial(Policy):
             self.sim.admit(r)
             self.sim.reschedule(r)
 
-    def refill(self, r):
+    def refill(self, r, share: int | None = None):
+        """Take new groups while there is room and `may_submit` allows (at most `share`)."""
         sim = self.sim
         if not r.alive or r.phase != "run" or r.held:   # held: back-pressure, no new prompts
             return
         room = self.system.max_concurrency - r.unfinished()
+        if share is not None:
+            room = min(room, share)
         ts = sim.ts
-        while room >= sim.gs and modes.may_submit(self.submitted, sim.version,
+        # a dropped (stale) group never lands in a batch: it does not count as submitted
+        while room >= sim.gs and modes.may_submit(self.submitted - sim.buffer.dropped_trajectories,
+                                                  sim.version,
                                                   batch_size=sim.B, eta=self.eta):
             ids = sim.take_trajectories(sim.gs)
             for i in ids:
@@ -78,6 +86,13 @@ class Partial(Policy):
         """Every rollout stops, loads the newest version (load_s) and re-prefills its work."""
         sim = self.sim
         ts = sim.ts
+        # every rollout refills at once here: each gets a fair share of what the new version
+        # opened (first come first served would hand it all to the first rollouts)
+        share = None
+        if self.eta is not None:
+            open_ = ((sim.version + self.eta + 1) * sim.B
+                     - (self.submitted - sim.buffer.dropped_trajectories))
+            share = max(sim.gs, open_ // max(1, len(self.alive_rollouts())) // sim.gs * sim.gs)
         for r in self.alive_rollouts():
             r.advance(sim.now)
             ids = r.extract()
@@ -89,7 +104,7 @@ class Partial(Policy):
             r.t_ref = max(r.t_ref, sim.now) + load_s
             if ids:
                 r.load_int += load_s
-            self.refill(r)
+            self.refill(r, share)
             sim.admit(r)
             sim.reschedule(r)
         sim.log("interrupt", version=sim.version)

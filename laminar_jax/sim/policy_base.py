@@ -122,6 +122,10 @@ class Policy:
         sim = self.sim
         if not self.learner_free():
             return
+        # the staleness filter (partial's eta, laminar's max_staleness) frees room: retry the
+        # held groups, which may be stale too, until nothing more is dropped
+        while sim.buffer.drop_stale(sim.version):
+            self.taken()
         recs = sim.buffer.take_fifo(sim.B // sim.gs)
         if recs is None:
             return
