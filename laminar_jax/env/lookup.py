@@ -1,0 +1,99 @@
+"""The synthetic tool task: the answer is a number the model can get only by calling the tool.
+
+Prompt "37?" asks for the value stored under key 37. Values are drawn per row independently of
+the key (two rows with one key hold different values), so nothing in the prompt or the training
+data predicts them: the policy has to call
+    <tool_call>{"name":"lookup","arguments":{"key":37}}</tool_call>
+end its turn, read the result ("\\nresult: 52\\n", `chat.CHAR_TOOL_TEMPLATE`) and answer "52".
+Reward 1 for the right value, else 0; a guess without the tool is right 1 time in 90.
+
+`LookupTask` gives the prompts and the supervised warm-up (`laminar sft`, run by `laminar train`
+when no model is given): with probability `noise` (sft.demo_noise) a demonstration answers at
+once with a guess, so the warm policy calls the tool only part of the time, and RL raises it.
+`LookupEnv` is the environment (env.name: lookup).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+from laminar_jax.data import tasks as _tasks
+from laminar_jax.env.chat import char_tool_text
+from laminar_jax.env.parsers import ToolCall
+from laminar_jax.env.tool_env import ToolEnv
+from laminar_jax.env.tools import ToolError
+
+EOS_TEXT = "</s>"
+LO, HI = 10, 99   # keys and values: two-digit numbers
+
+
+def call_text(key: int) -> str:
+    args = json.dumps({"name": "lookup", "arguments": {"key": int(key)}}, separators=(",", ":"))
+    return f"<tool_call>{args}</tool_call>"
+
+
+class LookupTask(_tasks.SyntheticTask):
+    name = "lookup"
+    default_max_n = HI
+
+    def _draw(self, rng, count):
+        keys = rng.integers(LO, HI + 1, size=count)
+        values = rng.integers(LO, HI + 1, size=count)
+        return [{"key": int(k), "value": int(v)} for k, v in zip(keys, values)]
+
+    def _prompt(self, params):
+        return f"{params['key']}?"
+
+    def reference(self, params):
+        """The whole multi-turn response as text: call, end of turn, tool result, answer."""
+        return call_text(params["key"]) + EOS_TEXT + char_tool_text(str(params["value"])) + str(params["value"])
+
+    def noisy_reference(self, params, rng, noise):
+        if rng.random() < noise:
+            return str(int(rng.integers(LO, HI + 1)))  # a guess, no tool
+        return self.reference(params)
+
+    @staticmethod
+    def score(completion: str, row: Mapping) -> float:
+        """1.0 when the text after the last tool result is the row's value."""
+        return float(completion.rsplit("result:", 1)[-1].split("\n", 1)[-1].strip() == str(row["value"]))
+
+
+_tasks.TASKS.setdefault(LookupTask.name, LookupTask)
+
+
+class LookupTool:
+    name = "lookup"
+
+    def __init__(self, table: Mapping[int, int]):
+        self.table = dict(table)
+
+    def __call__(self, arguments: Mapping[str, Any]) -> str:
+        key = arguments.get("key")
+        try:
+            key = int(key)
+        except (TypeError, ValueError):
+            raise ToolError(f'lookup: expected {{"key": <integer>}}, got {dict(arguments)}') from None
+        if key not in self.table:
+            raise ToolError(f"lookup: no key {key}")
+        return str(self.table[key])
+
+
+class LookupEnv(ToolEnv):
+    """env.name: lookup. The tool knows only this row's key (another key is an error)."""
+
+    code_tool = None
+
+    def tools(self, row):
+        return {"lookup": LookupTool({int(row["key"]): int(row["value"])})}
+
+    def prompt(self, row):
+        return f"{row['key']}?"
+
+    def score(self, text, row):
+        return float(text.strip() == str(row["value"]))
+
+    def is_correct_call(self, call: ToolCall, row) -> bool:
+        return call.name == "lookup" and str(call.arguments.get("key")) == str(row["key"])
