@@ -222,6 +222,7 @@ class Trajectory:
     repack_count: int = 0
     timings: Mapping[str, float] = field(default_factory=dict)
     loss_mask: np.ndarray | None = None
+    turn_stats: Mapping[str, float] = field(default_factory=dict)   # multi-turn: turns, tool calls, ...
 
     def __post_init__(self):
         where = f"trajectory {request_id(self.group_id, self.sample_index)}"
@@ -234,6 +235,7 @@ class Trajectory:
         _set(self, "reward", float(self.reward))
         _set(self, "gen_version", int(self.gen_version))
         _set(self, "timings", {str(k): float(v) for k, v in dict(self.timings).items()})
+        _set(self, "turn_stats", {str(k): float(v) for k, v in dict(self.turn_stats).items()})
 
     @property
     def num_tokens(self) -> int:
@@ -263,6 +265,7 @@ class Trajectory:
         if learner_version is not None:
             row["staleness"] = self.staleness(learner_version)
         row.update({f"t_{k}": v for k, v in self.timings.items()})
+        row.update({f"env_{k}": v for k, v in self.turn_stats.items()})
         return row
 
     to_dict = _to_dict
