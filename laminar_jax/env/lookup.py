@@ -1,11 +1,13 @@
 """The synthetic tool task: the answer is a number the model can get only by calling the tool.
 
-Prompt "37?" asks for the value stored under key 37. Values are drawn per row independently of
+Prompt "37?" asks for the digit stored under key 37. Values are drawn per row independently of
 the key (two rows with one key hold different values), so nothing in the prompt or the training
 data predicts them: the policy has to call
     <tool_call>{"name":"lookup","arguments":{"key":37}}</tool_call>
-end its turn, read the result ("\\nresult: 52\\n", `chat.CHAR_TOOL_TEMPLATE`) and answer "52".
-Reward 1 for the right value, else 0; a guess without the tool is right 1 time in 90.
+end its turn, read the result ("\\nresult: 5\\n", `chat.CHAR_TOOL_TEMPLATE`) and answer "5".
+Reward 1 for the right value, else 0; a guess without the tool is right 1 time in 10. (Values
+are one digit: the 2-layer tiny model copies one token from a tool result after a short
+warm-up, while copying two took it far longer than a CPU test can wait.)
 
 `LookupTask` gives the prompts and the supervised warm-up (`laminar sft`, run by `laminar train`
 when no model is given): with probability `noise` (sft.demo_noise) a demonstration answers at
@@ -26,7 +28,8 @@ from laminar_jax.env.tool_env import ToolEnv
 from laminar_jax.env.tools import ToolError
 
 EOS_TEXT = "</s>"
-LO, HI = 10, 99   # keys and values: two-digit numbers
+LO, HI = 10, 99   # keys: two-digit numbers
+V_LO, V_HI = 0, 9  # values: one digit
 
 
 def call_text(key: int) -> str:
@@ -40,7 +43,7 @@ class LookupTask(_tasks.SyntheticTask):
 
     def _draw(self, rng, count):
         keys = rng.integers(LO, HI + 1, size=count)
-        values = rng.integers(LO, HI + 1, size=count)
+        values = rng.integers(V_LO, V_HI + 1, size=count)
         return [{"key": int(k), "value": int(v)} for k, v in zip(keys, values)]
 
     def _prompt(self, params):
@@ -52,7 +55,7 @@ class LookupTask(_tasks.SyntheticTask):
 
     def noisy_reference(self, params, rng, noise):
         if rng.random() < noise:
-            return str(int(rng.integers(LO, HI + 1)))  # a guess, no tool
+            return str(int(rng.integers(V_LO, V_HI + 1)))  # a guess, no tool
         return self.reference(params)
 
     @staticmethod
