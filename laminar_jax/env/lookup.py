@@ -3,11 +3,12 @@
 Prompt "37?" asks for the digit stored under key 37. Values are drawn per row independently of
 the key (two rows with one key hold different values), so nothing in the prompt or the training
 data predicts them: the policy has to call
-    <tool_call>{"name":"lookup","arguments":{"key":37}}</tool_call>
+    <tool_call>{"name":"lookup","arguments":{}}</tool_call>
 end its turn, read the result ("\\nresult: 5\\n", `chat.CHAR_TOOL_TEMPLATE`) and answer "5".
 Reward 1 for the right value, else 0; a guess without the tool is right 1 time in 10. (Values
 are one digit: the 2-layer tiny model copies one token from a tool result after a short
-warm-up, while copying two took it far longer than a CPU test can wait.)
+warm-up, while copying two took it far longer than a CPU test can wait; for the same reason the
+demonstrated call names no key: the tool serves the row's own key, and a key given must be it.)
 
 `LookupTask` gives the prompts and the supervised warm-up (`laminar sft`, run by `laminar train`
 when no model is given): with probability `noise` (sft.demo_noise) a demonstration answers at
@@ -32,9 +33,11 @@ LO, HI = 10, 99   # keys: two-digit numbers
 V_LO, V_HI = 0, 9  # values: one digit
 
 
-def call_text(key: int) -> str:
-    args = json.dumps({"name": "lookup", "arguments": {"key": int(key)}}, separators=(",", ":"))
-    return f"<tool_call>{args}</tool_call>"
+def call_text(key: int | None = None) -> str:
+    """The call the demonstrations make (no key: the tool serves the row's key) or, with a key,
+    the call naming it."""
+    args = {} if key is None else {"key": int(key)}
+    return "<tool_call>" + json.dumps({"name": "lookup", "arguments": args}, separators=(",", ":")) + "</tool_call>"
 
 
 class LookupTask(_tasks.SyntheticTask):
@@ -51,7 +54,7 @@ class LookupTask(_tasks.SyntheticTask):
 
     def reference(self, params):
         """The whole multi-turn response as text: call, end of turn, tool result, answer."""
-        return call_text(params["key"]) + EOS_TEXT + char_tool_text(str(params["value"])) + str(params["value"])
+        return call_text() + EOS_TEXT + char_tool_text(str(params["value"])) + str(params["value"])
 
     def noisy_reference(self, params, rng, noise):
         if rng.random() < noise:
@@ -74,6 +77,8 @@ class LookupTool:
         self.table = dict(table)
 
     def __call__(self, arguments: Mapping[str, Any]) -> str:
+        if "key" not in arguments and len(self.table) == 1:
+            return str(next(iter(self.table.values())))
         key = arguments.get("key")
         try:
             key = int(key)
@@ -99,4 +104,4 @@ class LookupEnv(ToolEnv):
         return float(text.strip() == str(row["value"]))
 
     def is_correct_call(self, call: ToolCall, row) -> bool:
-        return call.name == "lookup" and str(call.arguments.get("key")) == str(row["key"])
+        return call.name == "lookup" and str(call.arguments.get("key", row["key"])) == str(row["key"])

@@ -42,16 +42,18 @@ def test_malformed_calls_are_parse_errors(text, error):
 
 
 def test_tool_env_answers_bad_calls_with_errors_and_counts_them():
-    env = LookupEnv(load_config(None, ["env.max_tool_calls=3"]).env)
+    env = LookupEnv(load_config(None, ["env.max_tool_calls=4"]).env)
     assert env.reset(ROW) == [{"role": "user", "content": "37?"}]
     obs, reward, done, info = env.step(call_text(37))
     assert (obs, reward, done) == ("52", 0.0, False) and info["correct_tool_calls"] == 1
+    obs, _, _, info = env.step(call_text())  # no key: the tool serves the row's key
+    assert obs == "52" and info["correct_tool_calls"] == 1
     obs, _, done, info = env.step('<tool_call>{"name": "search", "arguments": {}}</tool_call>')
     assert "unknown tool 'search'" in obs and info["tool_errors"] == 1 and not done
     obs, _, _, info = env.step("<tool_call>{oops}</tool_call>")
     assert obs.startswith("error: tool call is not valid JSON") and info["parse_errors"] == 1
-    obs, _, _, info = env.step(call_text(37))  # the 4th call is past max_tool_calls=3
-    assert "limit of 3" in obs and info["tool_calls"] == 0
+    obs, _, _, info = env.step(call_text(37))  # the 5th call is past max_tool_calls=4
+    assert "limit of 4" in obs and info["tool_calls"] == 0
     assert env.step(" 52 ")[1:3] == (1.0, True) and env.step("51")[1] == 0.0
 
 
@@ -119,8 +121,8 @@ def test_lookup_task_needs_the_tool_and_its_demos_match_the_rl_format():
     resp = demo.response_tokens.tolist()
     cut = resp.index(tok.eos_token_id) + 1
     key = int(demo.prompt[:-1])
-    assert tok.decode(resp[:cut]) == call_text(key)
-    obs_tokens = chat.tool_turn_tokens(tok, [], call_text(key), "52")
+    assert tok.decode(resp[:cut]) == call_text() and key
+    obs_tokens = chat.tool_turn_tokens(tok, [], call_text(), "52")
     assert tok.decode(obs_tokens) == "\nresult: 52\n" and resp[cut:cut + 9] == obs_tokens[:9]
     noisy = task.sft_examples(200, noise=0.5)
     calls = np.mean([tok.decode(e.response_tokens).startswith("<tool_call>") for e in noisy])
