@@ -20,8 +20,8 @@ def split_rates(traj):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="not yet verified: no run of configs/tool.yaml finished on the loaded CI machine in the "
-                         "session that wrote it (the 300-step warm-up alone ran past 15 min); run it and unskip")
+@pytest.mark.skip(reason="does not learn yet: in the one measured run (README) the warm policy calls the tool "
+                         "but does not copy the result, so reward fell 0.150 -> 0.081; unskip once it learns")
 def test_tool_task_learns_to_call_the_tool(cluster, tmp_path):
     cfg = load_config("configs/tool.yaml", [f"run.out_dir={tmp_path}", f"run.compile_cache={CACHE}", *OVERRIDES])
     summary = driver.run(cfg, quiet=True)
