@@ -23,7 +23,7 @@ from laminar_jax.rl.spec import AdvantageSpec, CorrectionSpec, LossSpec
 from laminar_jax.manager.modes import Mode  # the mode Literal, derived from MODE_RULES
 
 __all__ = [
-    "AdvantageSpec", "Config", "ConfigError", "DataConfig", "LearnerConfig", "LossSpec",
+    "AdvantageSpec", "Config", "ConfigError", "DataConfig", "EnvConfig", "LearnerConfig", "LossSpec",
     "ManagerConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "PoolConfig", "RelayConfig",
     "RewardConfig", "RolloutConfig", "RunConfig", "SftConfig", "config_from_dict", "dump_config",
     "dump_yaml", "load_config", "yaml_load",
@@ -512,6 +512,38 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn environment (laminar_jax.env): null name = single-turn completions.
+
+    name: a built-in environment (lookup, python) or "package.module:Factory", called as
+    Factory(env_config) -> an object with reset(row) -> messages and step(text) -> (observation,
+    reward, done, info). With an environment, a trajectory's reward is the sum of its step
+    rewards (reward.fn is not called) and tool outputs enter the response with loss mask 0.
+    max_turns: policy turns per trajectory; max_tool_calls: tool calls per trajectory (a turn
+    past it ends the trajectory); max_total_tokens: response tokens (policy + tool) per
+    trajectory; each turn also stops at rollout.max_new_tokens. tool_timeout_s: wall time of
+    one tool call (the sandbox kills it); step_timeout_s: wall time of one env.step, after which
+    the trajectory is dropped from the loss and counted; workers: threads per rollout running
+    env steps off the decode loop.
+    """
+
+    name: str | None = None
+    max_turns: int = 4
+    max_tool_calls: int = 4
+    max_total_tokens: int = 192
+    tool_timeout_s: float = 5.0
+    step_timeout_s: float = 30.0
+    workers: int = 4
+
+    def __post_init__(self):
+        _require(self.name is None or (bool(_REWARD_RE.match(self.name)) and (":" in self.name or "." not in self.name)),
+                 "name", self.name, "null, a built-in environment name or 'package.module:Factory'")
+        _at_least(self, 1, "max_turns", "max_total_tokens", "workers")
+        _at_least(self, 0, "max_tool_calls")
+        _positive(self, "tool_timeout_s", "step_timeout_s")
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a run needs; `laminar config show CONFIG` prints it resolved."""
 
@@ -526,6 +558,7 @@ class Config:
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     # The run anchors PPO on the engine's log-probs (bypass): with one update per version a trainer
     # recompute makes the clip a no-op, while the behaviour anchor keeps a trust region around the
     # policy that generated each (possibly stale) sample. LossSpec() itself keeps the textbook "prox".
@@ -552,3 +585,6 @@ class Config:
         _require(self.reward.fn != "task" or self.data.path is None, "reward.fn", self.reward.fn,
                  f"a reward for the rows of data.path={self.data.path!r} (exact_match, math, format or "
                  f"'package.module:function'); 'task' scores only the built-in tasks' rows")
+        _require(self.env.name is None or self.env.max_total_tokens < self.learner.max_seq_len,
+                 "env.max_total_tokens", self.env.max_total_tokens,
+                 f"fewer than learner.max_seq_len ({self.learner.max_seq_len}): the prompt needs room too")

@@ -18,6 +18,7 @@ none).
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import numpy as np
 from laminar_jax.data.records import PartialTrajectory, PromptGroup, Trajectory, parse_request_id, request_id
 from laminar_jax.manager import modes
 from rollout.engine import Request, SamplingParams
+from rollout.multiturn import MultiTurn
 from laminar_jax.runtime.rpc import call, node_id, send
 from laminar_jax.runtime.weights_source import WeightSource
 
@@ -43,6 +45,7 @@ class _Group:
     done: dict = field(default_factory=dict)          # sample index -> PartialTrajectory (finished)
     repacks: dict = field(default_factory=dict)       # sample index -> repack count
     timings: dict = field(default_factory=dict)       # sample index -> (first_token, finished)
+    env: dict = field(default_factory=dict)           # multi-turn: sample index -> (reward, turn stats)
 
 
 class RolloutWorker:
@@ -80,6 +83,27 @@ class RolloutWorker:
                                        max_new_tokens=r.max_new_tokens,
                                        stop_token_ids=tuple(tokenizer.stop_token_ids))
         self.groups_per_batch = max(1, r.max_concurrency // cfg.data.group_size)
+        # multi-turn (env.name set): trajectories alternate engine turns and env steps
+        self.turns = None
+        env_cfg = getattr(cfg, "env", None)
+        if env_cfg is not None and env_cfg.name is not None:
+            from laminar_jax.env.registry import resolve_env
+            self.turns = MultiTurn(resolve_env(env_cfg), env_cfg, tokenizer, self.sampling, self._decode_turn,
+                                   rollout_id=rollout_id, allow_mixed=modes.interrupts_on_publish(self.mode))
+
+    def _decode_turn(self, tokens) -> str:
+        """A turn's text for env.step (stop tokens left out; an undecodable id reads as U+FFFD)."""
+        try:
+            return self.tokenizer.decode([int(x) for x in tokens if int(x) not in self.sampling.stop_token_ids])
+        except Exception:  # noqa: BLE001 - the environment sees the text the model failed to write
+            self.counters["decode_errors"] += 1
+            return "\ufffd"
+
+    def _in_flight(self) -> bool:
+        """Requests in the engine, or trajectories waiting on their environment between turns
+        (one weight version per trajectory: no pull under them)."""
+        busy = self.engine.has_unfinished() if self.engine is not None else False
+        return busy or (self.turns is not None and self.turns.waiting() > 0)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> str | None:
@@ -139,12 +163,12 @@ class RolloutWorker:
             return
         with self._lock:
             now = -1 if self.engine is None else self.engine.weight_version
-            in_flight = self.engine.has_unfinished() if self.engine is not None else False
+            in_flight = self._in_flight()
             if got[0] > now and modes.may_pull_weights(self.mode, in_flight=int(in_flight), released=self._released):
                 self._load(got, in_flight)
 
     def _tick(self) -> bool:
-        in_flight = self.engine.has_unfinished() if self.engine is not None else False
+        in_flight = self._in_flight()
         if modes.may_pull_weights(self.mode, in_flight=int(in_flight), released=self._released):
             self._maybe_pull(in_flight)
         if self.engine is None:
@@ -154,6 +178,11 @@ class RolloutWorker:
         # blocked the loop (the mode's batch rules are unchanged); decoding goes on meanwhile
         if not self.undelivered and not self._scoring and (not self.groups or modes.refills_continuously(self.mode)):
             self._take()
+        if self.turns is not None:
+            self._poll_turns()
+            if not self.engine.has_unfinished() and self.turns.waiting():
+                time.sleep(0.002)  # every trajectory waits on its tool: nothing to decode
+                return True
         if not self.engine.has_unfinished():
             return False
         t0 = time.perf_counter()
@@ -165,7 +194,10 @@ class RolloutWorker:
         self.counters["tokens"] += stats.num_running + len(finished)
         self.counters["kv_time"] += stats.kv_used
         for c in finished:
-            self._finish_sample(c)
+            if self.turns is not None and self.turns.owns(c.request_id):
+                self.turns.on_completion(c)   # a turn ended: env.step runs off the loop
+            else:
+                self._finish_sample(c)
         self._steps_since_stream += 1
         d = self.cfg.data
         if self._steps_since_stream >= d.partial_every_tokens or time.time() - self._last_stream > d.partial_every_s:
@@ -242,18 +274,46 @@ class RolloutWorker:
         for g in groups:
             self.groups[g.group_id] = _Group(g, now)
             try:
-                self.engine.add([Request(rid, g.prompt_tokens, self.sampling, g.group_id) for rid in g.request_ids()])
+                self.engine.add(self.turns.start(g, self.engine.weight_version) if self.turns is not None else
+                                [Request(rid, g.prompt_tokens, self.sampling, g.group_id) for rid in g.request_ids()])
             except ValueError as e:  # a prompt the engine cannot take: counted, never dropped silently
                 self.engine.abort(g.request_ids())
+                if self.turns is not None:
+                    self.turns.drop(g.request_ids())
                 del self.groups[g.group_id]
                 call(self.data.reject, g.group_id, str(e))
                 self._event("group_rejected", group_id=g.group_id, error=str(e))
 
     # ------------------------------------------------------------------ finished samples
     def _record(self, p, finish_reason: str | None, group: _Group, index: int) -> PartialTrajectory:
+        mask = None if self.turns is None else self.turns.loss_mask(p.request_id, len(p.response_tokens))
         return PartialTrajectory(p.group_id, index, self.id, p.prompt_tokens, p.response_tokens,
                                  p.raw_logp, p.logp, p.versions, group.group.prompt_id,
-                                 group.repacks.get(index, 0), finish_reason)
+                                 group.repacks.get(index, 0), finish_reason, loss_mask=mask)
+
+    def _poll_turns(self) -> None:
+        """Tool results back: continue those trajectories in the engine, deliver finished ones."""
+        conts, finished = self.turns.poll(self.engine.weight_version)
+        for req in conts:
+            try:
+                self.engine.add([req])
+            except ValueError:  # the context is full: the trajectory ends here
+                finished.append(self.turns.truncate(req.id))
+        for error in self.turns.errors:
+            self._event("env_error", **error)
+        self.turns.errors.clear()
+        for f in finished:
+            group = self.groups.get(f.partial.group_id)
+            if group is None:  # released or re-issued meanwhile
+                continue
+            i = f.partial.sample_index
+            group.done[i] = dataclasses.replace(f.partial, prompt_id=group.group.prompt_id,
+                                                repack_count=group.repacks.get(i, 0))
+            group.env[i] = (f.reward, f.stats)
+            group.timings[i] = f.timings
+            if len(group.done) == group.group.group_size:
+                del self.groups[f.partial.group_id]
+                self._score(group)
 
     def _finish_sample(self, c) -> None:
         gid, index = parse_request_id(c.request_id)
@@ -279,6 +339,9 @@ class RolloutWorker:
     def _score(self, group: _Group) -> None:
         """Decode a finished group and start its rewards (the reward pool works while we decode)."""
         g = group.group
+        if self.turns is not None:  # the environment's rewards: nothing to score
+            self.undelivered.append(self._trajectories(group, [group.env[i][0] for i in range(g.group_size)]))
+            return
         texts = [self._decode(group.done[i].response_tokens, (g.group_id, i)) for i in range(g.group_size)]
         try:
             pending = self.reward.submit_group(g, [t for t in texts if t is not None])
@@ -330,7 +393,8 @@ class RolloutWorker:
                                   p.behaviour_logp, p.sample_logp, p.token_versions,
                                   int(p.token_versions[-1]) if p.num_tokens else self.engine.weight_version,
                                   reward, p.finish_reason,
-                                  p.repack_count, {"issued": group.issued, "first_token": first, "finished": done}))
+                                  p.repack_count, {"issued": group.issued, "first_token": first, "finished": done},
+                                  loss_mask=p.loss_mask, turn_stats=group.env.get(i, (0.0, {}))[1]))
         return out
 
     def _retry_undelivered(self) -> None:
@@ -364,6 +428,8 @@ class RolloutWorker:
         with self._lock:
             if self.engine is None or self.engine.weight_version != version or not self.groups:
                 return None
+            if self.turns is not None:  # environment state lives here: multi-turn work is not repacked
+                return None
             snapshot = self._snapshot()
             self.engine.abort([p.request_id for p in self.engine.partials()])
             groups = [g.group for g in self.groups.values()]
@@ -382,6 +448,10 @@ class RolloutWorker:
                 return False
             by_group = {g.group_id: _Group(g, time.time()) for g in groups}
             requests = []
+            if self.turns is not None:  # an environment's state cannot move: its episodes start again
+                for g in groups:
+                    requests += self.turns.start(g, version)
+                partials = []
             for p in partials:
                 group = by_group[p.group_id]
                 group.repacks[p.sample_index] = p.repack_count
@@ -419,6 +489,7 @@ class RolloutWorker:
                     "num_running": 0 if s is None else s.num_running + s.num_waiting,
                     "num_waiting": 0 if s is None else s.num_waiting,
                     "groups": len(self.groups), **self.counters,
+                    **({f"env_{k}": v for k, v in self.turns.counters.items()} if self.turns is not None else {}),
                     "reward": self.reward.health() if hasattr(self.reward, "health") else None}
 
     def drain_events(self) -> list[dict]:
@@ -431,5 +502,7 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.turns is not None:
+            self.turns.close()
         if hasattr(self.reward, "close"):  # the reward processes
             self.reward.close()

@@ -10,6 +10,11 @@ Token arrays are int64 numpy arrays, log-prob arrays float32, per-token versions
 record has `to_dict()` / `from_dict()` with JSON-safe values (lists, not arrays), which is what
 the pools' `state_dict()` use, so a checkpoint can be written with `json.dump`.
 
+`loss_mask` (float32, one per response token) is 1 on tokens the policy generated and 0 on
+tokens it did not (tool outputs, environment text of a multi-turn trajectory); those carry no
+log-prob of the policy (behaviour_logp 0), no gradient and count in no loss normaliser. None
+means all ones: a single-turn response.
+
 Log-prob naming follows `rollout/engine.py`: `behaviour_logp` is the engine's untruncated,
 temperature-1 log-prob of each token (its `raw_logp`, what importance ratios use);
 `sample_logp` the log-prob under the distribution actually sampled from (its `logp`, what a
@@ -59,6 +64,20 @@ def _normalise_tokens(record, where: str) -> None:
     if versions.shape[0] != n:
         raise ValueError(f"{where}: token_versions has {versions.shape[0]} values for {n} tokens")
     _set(record, "token_versions", versions)
+    _set(record, "loss_mask", _loss_mask(record.loss_mask, f"{where}: loss_mask", n))
+
+
+def _loss_mask(values, what: str, n: int) -> np.ndarray:
+    """float32 [n] of 0/1: 1 on tokens the policy generated (trained on), 0 on tool outputs and
+    environment text. None (a single-turn response) is all ones."""
+    if values is None:
+        return np.ones((n,), np.float32)
+    m = np.asarray(values, np.float32).reshape(-1)
+    if m.shape[0] != n:
+        raise ValueError(f"{what} has {m.shape[0]} values for {n} response tokens")
+    if not np.isin(m, (0.0, 1.0)).all():
+        raise ValueError(f"{what} must hold only 0 and 1")
+    return m
 
 
 def _plain(value):
@@ -154,6 +173,7 @@ class PartialTrajectory:
     prompt_id: str = ""
     repack_count: int = 0
     finish_reason: str | None = None
+    loss_mask: np.ndarray | None = None
 
     def __post_init__(self):
         where = f"partial {request_id(self.group_id, self.sample_index)}"
@@ -201,6 +221,8 @@ class Trajectory:
     finish_reason: str
     repack_count: int = 0
     timings: Mapping[str, float] = field(default_factory=dict)
+    loss_mask: np.ndarray | None = None
+    turn_stats: Mapping[str, float] = field(default_factory=dict)   # multi-turn: turns, tool calls, ...
 
     def __post_init__(self):
         where = f"trajectory {request_id(self.group_id, self.sample_index)}"
@@ -213,6 +235,7 @@ class Trajectory:
         _set(self, "reward", float(self.reward))
         _set(self, "gen_version", int(self.gen_version))
         _set(self, "timings", {str(k): float(v) for k, v in dict(self.timings).items()})
+        _set(self, "turn_stats", {str(k): float(v) for k, v in dict(self.turn_stats).items()})
 
     @property
     def num_tokens(self) -> int:
@@ -242,6 +265,7 @@ class Trajectory:
         if learner_version is not None:
             row["staleness"] = self.staleness(learner_version)
         row.update({f"t_{k}": v for k, v in self.timings.items()})
+        row.update({f"env_{k}": v for k, v in self.turn_stats.items()})
         return row
 
     to_dict = _to_dict

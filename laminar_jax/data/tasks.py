@@ -205,3 +205,7 @@ def task_score(completion: str, row: Mapping) -> float:
         raise ValueError(f"reward 'task': row has task={name!r}, expected one of {sorted(TASKS)} "
                          f"(the 'task' reward only scores built-in task rows)")
     return TASKS[name].score(completion, row)
+
+
+# The multi-turn tool task lives with its environment; importing it registers it in TASKS.
+from laminar_jax.env import lookup as _lookup  # noqa: E402,F401

@@ -10,7 +10,8 @@ token t, and `learner.logprobs.sequence_logprobs` gives the learner's log-prob o
 same position. Pure numpy: no jax, no Ray, no clock.
 
     tokens, positions, segment_ids  int32 [B, L]   (segment 1 = the row's sequence, 0 = padding)
-    response_mask                   float32 [B, L] (1 on response tokens)
+    response_mask                   float32 [B, L] (1 on response tokens the policy generated:
+                                    the trajectory's loss_mask, 0 on tool outputs)
     behaviour_logp                  float32 [B, L] (engine raw log-prob of each response token)
     staleness                       float32 [B, L] (learner_version - version of each token)
     rewards                         float32 [B];  group_ids int32 [B] (0..num_groups-1)
@@ -100,7 +101,7 @@ def assemble(groups: Sequence[Sequence[Trajectory]], *, learner_version: int, ma
         out["tokens"][row, p:n] = t.response_tokens
         out["positions"][row, :n] = np.arange(n)
         out["segment_ids"][row, :n] = 1
-        out["response_mask"][row, p:n] = 1.0
+        out["response_mask"][row, p:n] = t.loss_mask  # 0 on tool outputs: no loss, no normaliser
         out["behaviour_logp"][row, p:n] = t.behaviour_logp
         out["staleness"][row, p:n] = learner_version - t.token_versions
         out["rewards"][row] = t.reward

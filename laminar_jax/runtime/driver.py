@@ -98,6 +98,9 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     plan = run_folder.plan(cfg, run_dir)  # refuses a folder it must not touch, before anything starts
     model_dir = cfg.model.hf_path
     engines.check_engines(cfg, model_dir)  # vLLM missing or the model's architecture: before the warm-up
+    if cfg.env.name is not None:  # a bad environment fails here, not in every rollout
+        from laminar_jax.env.registry import resolve_env
+        resolve_env(cfg.env)
     if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
         model_dir = warm_up(cfg, run_dir)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=model_dir))

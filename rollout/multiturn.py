@@ -1,0 +1,285 @@
+"""Multi-turn trajectories: the turn loop between the engine and one environment per sample.
+
+    requests = turns.start(group, version)   env.reset(row) -> prompt tokens, one request per sample
+    turns.on_completion(c)                   a turn ended: env.step(text) runs in a thread pool
+    continuations, finished = turns.poll(v)  tool results back: continue or finish trajectories
+
+A turn ends at a stop token (or at rollout.max_new_tokens for that turn). Its text goes to
+`env.step` on a worker thread, so the engine keeps decoding the other trajectories meanwhile.
+When the step returns an observation, its tokens (`laminar_jax.env.chat.tool_turn_tokens`) are
+appended to the SAME trajectory with loss mask 0 (behaviour log-prob 0, the trajectory's weight
+version) and the trajectory is re-added to the engine as a request with that prefix: the engine
+re-prefills prompt + response so far and decodes the next turn. A trajectory keeps the weight
+version it started on across all its turns: a turn decoded on another version raises (outside
+modes that interrupt on publish), and the worker counts a waiting trajectory as in flight, so it
+pulls no weights under it.
+
+Limits (env config): max_turns policy turns, max_tool_calls tool calls (counted from the step's
+info), max_total_tokens response tokens (policy + tool); a trajectory that reaches one ends with
+finish_reason "length". An env.step that raises, returns garbage or outlives step_timeout_s ends
+its trajectory with reward 0 and an all-zero loss mask (no gradient, no normaliser: dropped from
+the loss while its group stays whole), counted in `counters["env_errors"]` and reported.
+No Ray and no laminar_jax.runtime import here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from laminar_jax.data.records import PartialTrajectory, request_id
+from laminar_jax.env import chat
+from laminar_jax.env.protocol import COUNT_KEYS, as_step_result
+from rollout.engine import Request, SamplingParams
+
+
+@dataclass
+class Episode:
+    """One trajectory across its turns."""
+
+    rid: str
+    env: Any
+    messages: list
+    prompt_tokens: np.ndarray
+    version: int
+    started: float
+    tokens: list = field(default_factory=list)
+    logp: list = field(default_factory=list)
+    raw_logp: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    mask: list = field(default_factory=list)
+    turns: int = 0
+    reward: float = 0.0
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
+    env_s: float = 0.0
+    first_token: float | None = None
+    pending: Any = None            # the future of the env.step in flight
+    pending_since: float = 0.0
+    last_text: str = ""
+    last_finish: str = "stop"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A trajectory done with all its turns: the record (loss mask included), reward, stats."""
+
+    partial: PartialTrajectory
+    reward: float
+    stats: dict
+    timings: tuple[float, float]
+    error: str | None = None
+
+
+class MultiTurn:
+    """The turn loop of one rollout worker (module docstring).
+
+    make_env() -> a fresh environment; env_cfg: the EnvConfig (limits, timeouts, workers);
+    sampling: the per-turn sampling (its max_new_tokens is the per-turn budget);
+    decode(tokens) -> text (stop tokens left out); allow_mixed: the mode lets a trajectory
+    continue on newer weights (partial rollout).
+    """
+
+    def __init__(self, make_env: Callable[[], Any], env_cfg: Any, tokenizer: Any, sampling: SamplingParams,
+                 decode: Callable[[Any], str], *, rollout_id: str, allow_mixed: bool = False,
+                 clock: Callable[[], float] = time.time):
+        self.make_env, self.cfg, self.tokenizer = make_env, env_cfg, tokenizer
+        self.sampling, self.decode, self.rollout_id = sampling, decode, rollout_id
+        self.allow_mixed, self.clock = allow_mixed, clock
+        self.episodes: dict[str, Episode] = {}
+        self.pool = ThreadPoolExecutor(max_workers=env_cfg.workers, thread_name_prefix=f"env-{rollout_id}")
+        self.counters = dict(turns=0, tool_calls=0, tool_errors=0, parse_errors=0, env_errors=0, env_s=0.0,
+                             limit_turns=0, limit_tool_calls=0, limit_tokens=0)
+        self.errors: list[dict] = []   # env failures for the worker's event log
+
+    # ------------------------------------------------------------------ start
+    def start(self, group, version: int) -> list[Request]:
+        """One episode per sample of `group` (env.reset on its row); their first requests. A
+        reset that raises makes the episode finish at once (reported by `poll`)."""
+        out = []
+        for rid in group.request_ids():
+            env = self.make_env()
+            ep = Episode(rid, env, [], group.prompt_tokens, version, self.clock())
+            self.episodes[rid] = ep
+            try:
+                ep.messages = list(env.reset(group.row))
+                ep.prompt_tokens = np.asarray(chat.prompt_tokens(self.tokenizer, ep.messages), np.int64)
+            except Exception as e:  # noqa: BLE001 - the user's environment
+                ep.pending, ep.pending_since = _failed(f"env.reset raised {type(e).__name__}: {e}"), self.clock()
+                continue
+            out.append(self._request(ep))
+        return out
+
+    def _request(self, ep: Episode) -> Request:
+        n = len(ep.tokens)
+        budget = min(n + self.sampling.max_new_tokens, self.cfg.max_total_tokens)
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=budget)
+        if not n:
+            return Request(ep.rid, ep.prompt_tokens, sampling, ep.rid.rpartition("/")[0])
+        return Request(ep.rid, ep.prompt_tokens, sampling, ep.rid.rpartition("/")[0], np.asarray(ep.tokens),
+                       np.asarray(ep.logp, np.float32), np.asarray(ep.raw_logp, np.float32), np.asarray(ep.versions))
+
+    # ------------------------------------------------------------------ a turn ended
+    def owns(self, rid: str) -> bool:
+        return rid in self.episodes
+
+    def on_completion(self, c) -> None:
+        """Record the turn's new tokens (loss mask 1) and start env.step on its text."""
+        ep = self.episodes[c.request_id]
+        n = len(ep.tokens)
+        new = slice(n, None)
+        versions = np.asarray(c.versions[new])
+        if not self.allow_mixed and versions.size and (versions != ep.version).any():
+            raise RuntimeError(f"multi-turn: trajectory {ep.rid} started on version {ep.version} but a turn "
+                               f"was decoded on {sorted(set(versions.tolist()))}")
+        ep.tokens += c.response_tokens[new].tolist()
+        ep.logp += c.logp[new].tolist()
+        ep.raw_logp += c.raw_logp[new].tolist()
+        ep.versions += versions.tolist()
+        ep.mask += [1.0] * len(versions)
+        if ep.first_token is None:
+            ep.first_token = c.timings.first_token or c.timings.finished
+        ep.turns += 1
+        self.counters["turns"] += 1
+        ep.last_finish = c.finish_reason
+        ep.last_text = self.decode(c.response_tokens[new])
+        ep.pending_since = self.clock()
+        ep.pending = self.pool.submit(ep.env.step, ep.last_text)
+
+    def waiting(self) -> int:
+        """Trajectories waiting on their environment (not in the engine)."""
+        return sum(ep.pending is not None for ep in self.episodes.values())
+
+    # ------------------------------------------------------------------ tool results back
+    def poll(self, engine_version: int) -> tuple[list[Request], list[Finished]]:
+        conts, done = [], []
+        now = self.clock()
+        for ep in list(self.episodes.values()):
+            fut = ep.pending
+            if fut is None:
+                continue
+            if not fut.done():
+                if now - ep.pending_since > self.cfg.step_timeout_s:
+                    done.append(self._fail(ep, f"env.step did not return within env.step_timeout_s="
+                                               f"{self.cfg.step_timeout_s:g} s"))
+                continue
+            ep.pending = None
+            ep.env_s += now - ep.pending_since
+            try:
+                obs, reward, is_done, info = as_step_result(fut.result())
+            except Exception as e:  # noqa: BLE001 - the user's environment
+                done.append(self._fail(ep, f"{type(e).__name__}: {e}" if not isinstance(e, _EnvFailure) else str(e)))
+                continue
+            ep.reward += reward
+            for k in COUNT_KEYS:
+                ep.counts[k] += int(info.get(k, 0))
+            for k in ("tool_calls", "tool_errors", "parse_errors"):
+                self.counters[k] += int(info.get(k, 0))
+            limit = self._limit(ep, is_done)
+            if is_done or limit:
+                done.append(self._finish(ep, ep.last_finish if is_done else "length"))
+                continue
+            obs_tokens = chat.tool_turn_tokens(self.tokenizer, ep.messages, ep.last_text, obs or "")
+            ep.messages += [{"role": "assistant", "content": ep.last_text}, {"role": "tool", "content": obs or ""}]
+            if len(ep.tokens) + len(obs_tokens) >= self.cfg.max_total_tokens:
+                self.counters["limit_tokens"] += 1
+                done.append(self._finish(ep, "length"))
+                continue
+            if not self.allow_mixed and engine_version != ep.version:
+                raise RuntimeError(f"multi-turn: trajectory {ep.rid} is on version {ep.version} but the "
+                                   f"engine moved to {engine_version} while it waited on its tool")
+            ep.tokens += obs_tokens
+            ep.logp += [0.0] * len(obs_tokens)
+            ep.raw_logp += [0.0] * len(obs_tokens)
+            ep.versions += [ep.version if not self.allow_mixed else engine_version] * len(obs_tokens)
+            ep.mask += [0.0] * len(obs_tokens)
+            conts.append(self._request(ep))
+        return conts, done
+
+    def _limit(self, ep: Episode, is_done: bool) -> bool:
+        if is_done:
+            return False
+        if ep.turns >= self.cfg.max_turns:
+            self.counters["limit_turns"] += 1
+            return True
+        if ep.counts["tool_calls"] > self.cfg.max_tool_calls:
+            self.counters["limit_tool_calls"] += 1
+            return True
+        if len(ep.tokens) >= self.cfg.max_total_tokens:
+            self.counters["limit_tokens"] += 1
+            return True
+        return False
+
+    def _finish(self, ep: Episode, finish_reason: str, error: str | None = None) -> Finished:
+        del self.episodes[ep.rid]
+        self.counters["env_s"] += ep.env_s
+        gid, index = ep.rid.rpartition("/")[0], int(ep.rid.rpartition("/")[2])
+        mask = np.zeros(len(ep.tokens), np.float32) if error else np.asarray(ep.mask, np.float32)
+        partial = PartialTrajectory(group_id=gid, sample_index=index, rollout_id=self.rollout_id,
+                                    prompt_tokens=ep.prompt_tokens, response_tokens=np.asarray(ep.tokens, np.int64),
+                                    behaviour_logp=np.asarray(ep.raw_logp, np.float32),
+                                    sample_logp=np.asarray(ep.logp, np.float32),
+                                    token_versions=np.asarray(ep.versions, np.int64),
+                                    finish_reason=finish_reason, loss_mask=mask)
+        stats = {"turns": ep.turns, **{k: ep.counts[k] for k in COUNT_KEYS}, "env_s": ep.env_s,
+                 "tool_tokens": float(len(ep.mask) - sum(ep.mask)), "env_error": float(error is not None)}
+        now = self.clock()
+        return Finished(partial, 0.0 if error else ep.reward, stats, (ep.first_token or now, now), error)
+
+    def _fail(self, ep: Episode, error: str) -> Finished:
+        ep.pending = None
+        self.counters["env_errors"] += 1
+        self.errors.append({"group_id": ep.rid.rpartition("/")[0], "sample_index": int(ep.rid.rpartition("/")[2]),
+                            "error": error[:300]})
+        return self._finish(ep, "abort", error)
+
+    def truncate(self, rid: str) -> Finished:
+        """End a trajectory the engine refused to continue (its context is full): "length"."""
+        self.counters["limit_tokens"] += 1
+        return self._finish(self.episodes[rid], "length")
+
+    # ------------------------------------------------------------------ the worker's other paths
+    def loss_mask(self, rid: str, n: int) -> np.ndarray | None:
+        """The mask of an in-flight trajectory's first n response tokens (policy tokens the engine
+        added since the episode's last record are 1)."""
+        ep = self.episodes.get(rid)
+        if ep is None:
+            return None
+        m = np.ones(n, np.float32)
+        m[:min(n, len(ep.mask))] = ep.mask[:n]
+        return m
+
+    def drop(self, rids) -> None:
+        """Forget episodes (their group was released or re-issued); a running step is abandoned."""
+        for rid in rids:
+            self.episodes.pop(rid, None)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _EnvFailure(Exception):
+    pass
+
+
+class _Failed:
+    """A done 'future' that raises: an episode whose env.reset failed."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        raise _EnvFailure(self.error)
+
+
+def _failed(error: str) -> _Failed:
+    return _Failed(error)
+
+
+__all__ = ["Episode", "Finished", "MultiTurn", "request_id"]

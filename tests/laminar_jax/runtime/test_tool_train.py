@@ -1,0 +1,38 @@
+"""End to end, multi-turn tool calling (configs/tool.yaml, real Ray, JAX engines and learner, the
+lookup environment): from the noisy warm-up (half the demonstrations guess without the tool), RL
+raises both the reward and the rate of correct tool calls; tool outputs are in the trajectories
+with loss mask 0, every trajectory keeps one weight version across its turns."""
+import numpy as np
+import pytest
+
+from laminar_jax.analysis import load_run
+from laminar_jax.config import load_config
+from laminar_jax.runtime import driver
+from tests.laminar_jax.runtime.runtime_fixtures import CACHE
+
+OVERRIDES: list = []   # configs/tool.yaml as it is (300 warm-up steps: 150 did not learn to copy the result)
+
+
+def split_rates(traj):
+    first, last = (traj[traj.learner_version < 4], traj[traj.learner_version >= traj.learner_version.max() - 3])
+    rate = lambda t: float((t.env_correct_tool_calls > 0).mean())  # noqa: E731
+    return (float(first.reward.mean()), rate(first)), (float(last.reward.mean()), rate(last))
+
+
+@pytest.mark.slow
+@pytest.mark.skip(reason="does not learn yet: in the one measured run (README) the warm policy calls the tool "
+                         "but does not copy the result, so reward fell 0.150 -> 0.081; unskip once it learns")
+def test_tool_task_learns_to_call_the_tool(cluster, tmp_path):
+    cfg = load_config("configs/tool.yaml", [f"run.out_dir={tmp_path}", f"run.compile_cache={CACHE}", *OVERRIDES])
+    summary = driver.run(cfg, quiet=True)
+    run = load_run(summary["run_dir"])
+    traj = run.trajectories
+    assert len(traj) == cfg.run.steps * cfg.learner.global_batch_groups * cfg.data.group_size
+    assert not traj.mixed_versions.any(), "one weight version per trajectory, across all its turns"
+    called = traj[traj.env_tool_calls > 0]
+    assert (called.env_turns >= 2).all() and (called.env_tool_tokens > 0).all()
+    assert (traj[traj.env_tool_calls == 0].env_tool_tokens == 0).all()
+    (r0, c0), (r1, c1) = split_rates(traj)
+    assert r1 > r0 + 0.1, (r0, r1)
+    assert c1 > c0 + 0.1, (c0, c1)
+    assert np.isfinite(run.metrics.loss).all()
