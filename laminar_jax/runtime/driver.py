@@ -143,15 +143,15 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=model_dir))
         clock.mark("warm_up", "supervised warm-up done")
     writer = RunWriter(run_dir, cfg)
-    stores: list[str] = []
+    stores: list[tuple[str, int]] = []   # (weight store, learner pid)
     try:
         return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
                       stores)
     finally:
         writer.close()
         # the learner removes its weight store on close; a crashed one leaves it behind
-        for root in stores:
-            run_folder.remove_store(root)
+        for root, pid in stores:
+            run_folder.remove_store(root, pid=pid)
         run_folder.clean_stale_stores(cfg.relay.store_dir)
         if owns_ray:
             ray.shutdown()
@@ -171,7 +171,8 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
                         min_update_s=min_update_s, resume=plan.resume, on_phase=clock.mark)
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
-    stores.append(ray.get(fleet.learner.weight_store.remote()).root)
+    stores.append((ray.get(fleet.learner.weight_store.remote(), timeout=60).root,
+                   ray.get(fleet.learner.pid.remote(), timeout=60)))
     start = ray.get(fleet.learner.current_version.remote())
     writer.rewind(start)  # rows of steps after the checkpoint (a crashed run's) are redone
     stored = -1 if writer.last_step is None else writer.last_step

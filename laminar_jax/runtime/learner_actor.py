@@ -104,6 +104,10 @@ class Learner:
     def weight_store(self):
         return self.store
 
+    def pid(self) -> int:
+        """This process (the driver removes the weight store once it is gone)."""
+        return os.getpid()
+
     def set_master(self, master: Any) -> None:
         self.publisher.set_master(master)
 
