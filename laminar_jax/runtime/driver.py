@@ -10,7 +10,8 @@ The driver starts the actors (`fleet.Fleet`), then, per learner step: ask the le
 iteration, kick the manager (repack right after a publish), gather rollout stats and events,
 write the run folder (metrics/ and trajectories/ part files, events.jsonl, trackers) and print
 a progress line. A model given as a preset (no `model.hf_path`) on a built-in task first gets the
-supervised warm-up of `laminar sft` (real post-training starts from an SFT model). An existing
+supervised warm-up of `laminar sft` (real post-training starts from an SFT model), trained on a
+thread while Ray starts. An existing
 run folder is resumed from its latest committed checkpoint, or refused, per `run.resume`
 (`run_folder.plan`, decided before Ray starts); a resumed run drops the rows the folder holds
 from the resumed step on, so every step and trajectory is logged once.

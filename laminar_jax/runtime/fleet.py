@@ -94,10 +94,12 @@ class Fleet:
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
               latency_model: Any = None, resume: bool = True, min_update_s: float = 0.0,
               on_phase: Any = None) -> "Fleet":
-        """Start-up order (DESIGN.md "Processes"): the data and learner actors are created first
-        and the learner initialises while the relays and, with relays on, the rollouts start
-        (their engines are built on the first weights they pull). on_phase(key, text) is told each
-        phase as it ends (key: the summary's `startup` entry, text: the start-up line)."""
+        """Start-up order (DESIGN.md "Processes"): the data and learner actors are created first,
+        with the learner's first publish queued behind its init; the rollouts and relays start
+        while the learner initialises (the driver names the weight store, so nothing waits for
+        the learner but the publish), and the rollouts build their engines on the first weights
+        they pull. on_phase(key, text) is told each phase as it ends (key: the summary's
+        `startup` entry, text: the start-up line)."""
         engines.check_engines(cfg, model_dir)
         phase = on_phase or (lambda key, text: None)
         mesh = cfg.mesh
