@@ -60,8 +60,8 @@ def run_once(name: str, extra: list[str], *, init: str, steps: int, cache: str, 
                           timeout=900)
     if proc.returncode:
         raise RuntimeError(f"{name}: laminar train failed:\n{proc.stderr[-3000:]}")
-    import pandas as pd
-    m = pd.read_parquet(os.path.join(run_dir, "metrics.parquet")).sort_values("step")
+    from laminar_jax.analysis import load_run
+    m = load_run(run_dir).metrics.sort_values("step")   # the metrics/ part files
     from laminar_jax.runtime.breakdown import overhead, summarise
     # means over the steps after the first two (compiles): the parts add up to the mean step
     med = summarise([dict(r, **overhead(r)) for r in m.to_dict("records")])

@@ -14,7 +14,11 @@
    clip, one optimizer step per batch.
 4. Per run: start-up (launch to the first step's end), time to the reward threshold (launch to the
    first step whose mean reward over the last --window steps reaches --threshold), steady s/step
-   (median after the first 3 steps), trajectories/s, and the machine's load average around it.
+   (median after the first 3 steps), trajectories/s, and the machine's load average: before,
+   after, and its mean and max sampled every LOAD_EVERY_S while the run ran (the machine may be
+   shared: the load says how much of it each run had).
+5. Both sides run pinned to the same cores (--cores, `taskset -c`; default every core), so
+   neither side can use a core the other could not.
 
 Writes experiments/results/race_trl.json and prints the table the README carries.
 """
@@ -31,6 +35,34 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("trl", "laminar", "sync")
+LOAD_EVERY_S = 5.0
+RAY_START_TIMEOUT = "timed out during startup"   # Ray's message when its raylet/GCS start too slowly
+
+
+class LoadSampler:
+    """The 1-minute load average sampled every LOAD_EVERY_S on a thread while a run goes."""
+
+    def __init__(self):
+        import threading
+        self.samples = [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(LOAD_EVERY_S):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=LOAD_EVERY_S + 1)
+        return {"load_mean": float(np.mean(self.samples)), "load_max": float(np.max(self.samples)),
+                "load_samples": len(self.samples)}
+
+
+def pinned(cmd: list[str], cores: str | None) -> list[str]:
+    """cmd under `taskset -c cores` (every process it starts, Ray's included, inherits it)."""
+    return ["taskset", "-c", cores, *cmd] if cores else cmd
 
 
 def ensure_venv(venv: str) -> str:
@@ -89,7 +121,7 @@ def run_trl(py: str, seed: int, init: str, a, work: str) -> dict:
     with open(path, "w") as f:
         json.dump(settings, f)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), MKL_NUM_THREADS=str(a.trl_threads))
-    proc = subprocess.run([py, os.path.join(REPO, "experiments", "race_trl_side.py"), path],
+    proc = subprocess.run(pinned([py, os.path.join(REPO, "experiments", "race_trl_side.py"), path], a.cores),
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=a.max_s + 300)
     if proc.returncode:
         raise RuntimeError(f"TRL run failed:\n{proc.stderr[-3000:]}")
@@ -112,17 +144,24 @@ def run_laminar(mode: str, seed: int, init: str, a, work: str) -> dict:
     run_dir = os.path.join(work, name)
     subprocess.run(["rm", "-rf", run_dir], check=True)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "laminar_jax.cli", "train", "configs/default.yaml", *over],
-                          cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                          timeout=a.max_s + 300)
+    for attempt in range(2):   # a shared, overloaded machine can time Ray's own start-up out: once more
+        t0 = time.time()
+        proc = subprocess.run(pinned([sys.executable, "-m", "laminar_jax.cli", "train", "configs/default.yaml", *over],
+                                     a.cores),
+                              cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                              timeout=a.max_s + 600)
+        if proc.returncode == 0 or RAY_START_TIMEOUT not in proc.stderr:
+            break
+        print(f"race:   Ray's start timed out (load {os.getloadavg()[0]:.1f}); launching again", flush=True)
+        subprocess.run(["rm", "-rf", run_dir], check=True)
     if proc.returncode:
         raise RuntimeError(f"laminar run failed:\n{proc.stderr[-3000:]}")
     return score_laminar(run_dir, t0, a)
 
 
 def score_laminar(run_dir: str, t0: float, a) -> dict:
-    import pandas as pd
-    m = pd.read_parquet(os.path.join(run_dir, "metrics.parquet")).sort_values("step")
+    from laminar_jax.analysis import load_run
+    m = load_run(run_dir).metrics.sort_values("step")   # the metrics/ part files
     out = score(list(m["time/unix_s"] - t0), list(m["reward_mean"]), list(m["time/step_wall_s"])[1:],
                 a, a.prompts * a.group)
     out["launch_unix_s"] = t0
@@ -136,14 +175,14 @@ def score_laminar(run_dir: str, t0: float, a) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = ["| system | seed | start-up s | time to threshold s | steady s/step | trajectories/s | "
-             "reward first 5 -> last 5 | steps | load avg |",
+             "reward first 5 -> last 5 | steps | load avg before / after / mean |",
              "|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, p=1: "not reached" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in results:
         lines.append(f"| {r['system']} | {r['seed']} | {f(r['startup_s'])} | {f(r['time_to_threshold_s'])} | "
                      f"{f(r['steady_s_per_step'], 3)} | {f(r['trajectories_per_s'])} | "
                      f"{f(r['reward_first5'], 3)} -> {f(r['reward_last5'], 3)} | {r['steps']} | "
-                     f"{r['load_before']:.1f} / {r['load_after']:.1f} |")
+                     f"{r['load_before']:.1f} / {r['load_after']:.1f} / {r.get('load_mean', float('nan')):.1f} |")
     return "\n".join(lines)
 
 
@@ -170,6 +209,8 @@ def main() -> None:
     p.add_argument("--rescore", action="store_true", help="re-score the runs of --out (no new runs)")
     p.add_argument("--merge", action="store_true",
                    help="keep --out's results of the systems not run now (re-run one side only)")
+    p.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}",
+                   help="cores both sides are pinned to (taskset -c; '' for no pinning)")
     p.add_argument("--trl-threads", type=int, default=1,
                    help="torch threads of the TRL process (1: fastest on a loaded machine)")
     a = p.parse_args()
@@ -184,10 +225,16 @@ def main() -> None:
         for system in order:
             load = os.getloadavg()[0]
             print(f"race: {system} seed {seed} (load {load:.1f})", flush=True)
-            r = run_trl(py, seed, init, a, a.work) if system == "trl" else run_laminar(system, seed, init, a, a.work)
-            r.update(system=system, seed=seed, load_before=load, load_after=os.getloadavg()[0])
+            sampler = LoadSampler()
+            try:
+                r = run_trl(py, seed, init, a, a.work) if system == "trl" else run_laminar(system, seed, init, a, a.work)
+            finally:
+                loads = sampler.stop()
+            r.update(system=system, seed=seed, load_before=load, load_after=os.getloadavg()[0], cores=a.cores, **loads)
             print(f"race:   {json.dumps(r)}", flush=True)
             results.append(r)
+            with open(a.out + ".partial", "w") as f:   # what a later failure would otherwise lose
+                json.dump(results, f, indent=1)
     if a.merge and os.path.exists(a.out):
         with open(a.out) as f:
             old = json.load(f)
@@ -205,10 +252,11 @@ def rescore(a) -> None:
         if r["system"] != "trl":
             t0 = r.get("launch_unix_s")
             if t0 is None:   # older JSON: the launch time is the first step's end minus start-up
-                import pandas as pd
-                m = pd.read_parquet(os.path.join(a.work, f"{r['system']}-s{r['seed']}", "metrics.parquet"))
+                from laminar_jax.analysis import load_run
+                m = load_run(os.path.join(a.work, f"{r['system']}-s{r['seed']}")).metrics
                 t0 = float(m.sort_values("step")["time/unix_s"].iloc[0]) - r["startup_s"]
-            keep = {k: r[k] for k in ("system", "seed", "load_before", "load_after")}
+            keep = {k: r[k] for k in ("system", "seed", "load_before", "load_after", "load_mean", "load_max",
+                                      "load_samples", "cores") if k in r}
             r.clear()
             r.update(score_laminar(os.path.join(a.work, f"{keep['system']}-s{keep['seed']}"), t0, a), **keep)
     finish(results, a)
@@ -223,7 +271,8 @@ def finish(results: list[dict], a) -> None:
                            "steady_s_per_step_mean": float(np.mean([r["steady_s_per_step"] for r in rs])),
                            "startup_s_mean": float(np.mean([r["startup_s"] for r in rs])),
                            "runs_reaching_threshold": f"{sum(t is not None for t in ttt)}/{len(ttt)}",
-                           "wall_s_min": float(min(r["wall_s"] for r in rs))}
+                           "wall_s_min": float(min(r["wall_s"] for r in rs)),
+                           "load_mean": float(np.mean([r.get("load_mean", np.nan) for r in rs]))}
     if "trl" in summary:
         base = summary["trl"]
         for system in a.systems:

@@ -9,11 +9,16 @@
 AdamW (Loshchilov & Hutter, 2019) decays only matrices (rank >= 2); norms and biases are not
 decayed, as in most LLM recipes. ``s`` counts optimizer updates from 0, so the first update
 already uses lr / warmup_steps instead of a wasted zero-lr step.
+
+The schedule's numbers (lr, warmup_steps, total_steps, min_lr_ratio) ride in the optimizer state
+(`ScheduleState`) instead of being constants of the compiled update: a run with another
+`run.steps` or `sft.steps` runs the same program, so a warm persistent compilation cache serves
+its learner step instead of a full compile.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,18 +41,69 @@ def make_schedule(*, lr: float, warmup_steps: int = 0, schedule: str = "constant
                          f"({warmup_steps}), got total_steps={total_steps}")
 
     def fn(count):
-        s = jnp.asarray(count, jnp.float32)
-        warm = jnp.minimum(1.0, (s + 1.0) / warmup_steps) if warmup_steps else 1.0
-        if schedule == "constant":
-            decay = 1.0
-        else:
-            p = jnp.clip((s - warmup_steps) / (total_steps - warmup_steps), 0.0, 1.0)
-            if schedule == "linear":
-                decay = 1.0 - (1.0 - min_lr_ratio) * p
-            else:
-                decay = min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * p))
-        return lr * warm * decay
+        return schedule_value(count, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps or 0,
+                              min_lr_ratio=min_lr_ratio, schedule=schedule)
+    fn.kind = schedule   # logged_lr recomputes it from the optimizer state's numbers
     return fn
+
+
+def schedule_value(count, *, lr, warmup_steps, total_steps, min_lr_ratio, schedule: str):
+    """The module docstring's lr(s); every argument but `schedule` may be a traced array."""
+    s = jnp.asarray(count, jnp.float32)
+    warmup = jnp.asarray(warmup_steps, jnp.float32)
+    warm = jnp.where(warmup > 0, jnp.minimum(1.0, (s + 1.0) / jnp.maximum(warmup, 1.0)), 1.0)
+    if schedule == "constant":
+        decay = 1.0
+    else:
+        p = jnp.clip((s - warmup) / (jnp.asarray(total_steps, jnp.float32) - warmup), 0.0, 1.0)
+        if schedule == "linear":
+            decay = 1.0 - (1.0 - min_lr_ratio) * p
+        else:
+            decay = min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * p))
+    return lr * warm * decay
+
+
+class ScheduleState(NamedTuple):
+    """`scale_by_schedule_state`'s state: the update count and the schedule's numbers as arrays,
+    so that a run with another run.steps, lr or warm-up runs the same compiled step (numbers
+    baked into the program as constants would change its HLO: a persistent-cache miss, a full
+    compile of the learner step)."""
+    count: jax.Array
+    lr: jax.Array
+    warmup_steps: jax.Array
+    total_steps: jax.Array
+    min_lr_ratio: jax.Array
+
+
+def scale_by_schedule_state(*, lr: float, warmup_steps: int, total_steps: int | None, min_lr_ratio: float,
+                            schedule: str) -> optax.GradientTransformation:
+    """updates * -lr(count), lr(s) of the module docstring from the state's numbers; the same as
+    optax's ``scale_by_learning_rate(make_schedule(...))``."""
+    def init(params):
+        del params
+        f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+        return ScheduleState(jnp.zeros([], jnp.int32), f(lr), f(warmup_steps), f(total_steps or 0), f(min_lr_ratio))
+
+    def update(updates, state, params=None):
+        del params
+        step_lr = schedule_value(state.count, lr=state.lr, warmup_steps=state.warmup_steps,
+                                 total_steps=state.total_steps, min_lr_ratio=state.min_lr_ratio, schedule=schedule)
+        updates = jax.tree.map(lambda u: jnp.asarray(-step_lr, u.dtype) * u, updates)
+        return updates, state._replace(count=optax.safe_int32_increment(state.count))
+    return optax.GradientTransformation(init, update)
+
+
+def logged_lr(schedule: optax.Schedule, opt_state: Any, count):
+    """The lr of update `count`: from the optimizer state's `ScheduleState` when it has one (no
+    constant in the program), else `schedule(count)`."""
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScheduleState))
+             if isinstance(x, ScheduleState)]
+    kind = getattr(schedule, "kind", None)
+    if len(found) != 1 or kind is None:
+        return schedule(count)
+    st = found[0]
+    return schedule_value(count, lr=st.lr, warmup_steps=st.warmup_steps, total_steps=st.total_steps,
+                          min_lr_ratio=st.min_lr_ratio, schedule=kind)
 
 
 def decay_mask(params: Any) -> Any:
@@ -72,8 +128,11 @@ def make_optimizer(*, lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2:
     sched = make_schedule(lr=lr, warmup_steps=warmup_steps, schedule=schedule,
                           total_steps=total_steps, min_lr_ratio=min_lr_ratio)
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
-    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                             mask=decay_mask))
+    # optax.adamw's chain, with the schedule's numbers in the state (ScheduleState)
+    parts.append(optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+                             optax.add_decayed_weights(weight_decay, mask=decay_mask),
+                             scale_by_schedule_state(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
+                                                     min_lr_ratio=min_lr_ratio, schedule=schedule)))
     return optax.chain(*parts), sched
 
 

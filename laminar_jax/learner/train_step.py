@@ -27,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from laminar_jax import sharding as shd
+from laminar_jax.learner import optim
 from laminar_jax.learner.train_state import TrainState
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, Mapping[str, jax.Array]]]
@@ -135,7 +136,7 @@ def make_step_fn(loss_fn: LossFn, tx: optax.GradientTransformation, *,
         out = dict(metrics)
         out.update(loss=loss, grad_norm=grad_norm, step=state.step, update_applied=ok)
         if schedule is not None:
-            out["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+            out["lr"] = jnp.asarray(optim.logged_lr(schedule, state.opt_state, state.step), jnp.float32)
         return new_state, out
     return step_fn
 

@@ -10,7 +10,8 @@ The driver starts the actors (`fleet.Fleet`), then, per learner step: ask the le
 iteration, kick the manager (repack right after a publish), gather rollout stats and events,
 write the run folder (metrics/ and trajectories/ part files, events.jsonl, trackers) and print
 a progress line. A model given as a preset (no `model.hf_path`) on a built-in task first gets the
-supervised warm-up of `laminar sft` (real post-training starts from an SFT model). An existing
+supervised warm-up of `laminar sft` (real post-training starts from an SFT model), trained on a
+thread while Ray starts. An existing
 run folder is resumed from its latest committed checkpoint, or refused, per `run.resume`
 (`run_folder.plan`, decided before Ray starts); a resumed run drops the rows the folder holds
 from the resumed step on, so every step and trajectory is logged once.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -39,6 +41,30 @@ from laminar_jax.runtime.events import EventLimiter
 from laminar_jax.runtime.liveness import Watchdog
 
 POLL_S = 1.0            # liveness check period while a step runs
+WARM_UP_TIMEOUT_S = 3600.0   # the supervised warm-up (sft.steps steps); past it: an error
+
+
+class _Background:
+    """fn(*args) on a daemon thread; `result(timeout)` returns its value or raises its error."""
+
+    def __init__(self, fn: Callable, *args: Any):
+        self._out: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="warm-up")
+        self._thread.start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        try:
+            self._out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            self._out["error"] = e
+
+    def result(self, timeout: float) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the supervised warm-up (sft.steps) did not finish within {timeout:.0f} s")
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]
 
 
 def warm_up(cfg: Any, run_dir: str) -> str:
@@ -47,6 +73,7 @@ def warm_up(cfg: Any, run_dir: str) -> str:
     model_dir = os.path.join(run_dir, "sft", "sft_model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         from laminar_jax.learner import sft
+        compile_cache.enable(cfg.run.compile_cache)   # the warm-up's compiles (its only jax user here)
         # sft.run writes to <out_dir>/<name>/sft: point that at run_dir/sft
         sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(
             cfg.run, out_dir=os.path.dirname(os.path.abspath(run_dir)), name=os.path.basename(os.path.abspath(run_dir)),
@@ -94,31 +121,41 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     learner update at least min_update_s, emulating accelerator-bound rollouts and learner.
     """
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
-    compile_cache.enable(cfg.run.compile_cache)   # the warm-up's compiles too
     plan = run_folder.plan(cfg, run_dir)  # refuses a folder it must not touch, before anything starts
     model_dir = cfg.model.hf_path
     engines.check_engines(cfg, model_dir)  # vLLM missing or the model's architecture: before the warm-up
     if cfg.env.name is not None:  # a bad environment fails here, not in every rollout
         from laminar_jax.env.registry import resolve_env
         resolve_env(cfg.env)
-    if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
-        model_dir = warm_up(cfg, run_dir)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=model_dir))
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(plan.note)
     clock = progress.StartupClock(say)
+    warm = None
+    if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
+        # the warm-up trains in a thread while Ray starts (ray.init keeps the main thread: its
+        # SIGTERM handler); daemon, so a failed Ray start is reported without waiting for it
+        warm = _Background(warm_up, cfg, run_dir)
     owns_ray = cluster.start(cfg)
     clock.mark("ray", "ray up" if owns_ray else "ray (already running)")
+    if warm is not None:
+        try:
+            model_dir = warm.result(timeout=WARM_UP_TIMEOUT_S)
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=model_dir))
+        clock.mark("warm_up", "supervised warm-up done")
     writer = RunWriter(run_dir, cfg)
-    stores: list[str] = []
+    stores: list[tuple[str, int]] = []   # (weight store, learner pid)
     try:
         return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
                       stores)
     finally:
         writer.close()
         # the learner removes its weight store on close; a crashed one leaves it behind
-        for root in stores:
-            run_folder.remove_store(root)
+        for root, pid in stores:
+            run_folder.remove_store(root, pid=pid)
         run_folder.clean_stale_stores(cfg.relay.store_dir)
         if owns_ray:
             ray.shutdown()
@@ -138,7 +175,8 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
                         min_update_s=min_update_s, resume=plan.resume, on_phase=clock.mark)
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
-    stores.append(ray.get(fleet.learner.weight_store.remote()).root)
+    stores.append((ray.get(fleet.learner.weight_store.remote(), timeout=60).root,
+                   ray.get(fleet.learner.pid.remote(), timeout=60)))
     start = ray.get(fleet.learner.current_version.remote())
     writer.rewind(start)  # rows of steps after the checkpoint (a crashed run's) are redone
     stored = -1 if writer.last_step is None else writer.last_step

@@ -30,6 +30,7 @@ from laminar_jax.runtime import cluster, engines
 from laminar_jax.runtime.data_actor import CONCURRENCY_GROUPS, DataActor
 from laminar_jax.runtime.learner_actor import Learner
 from laminar_jax.runtime.weights_source import RelaySource, StoreSource
+from laminar_jax.weights.publish import WeightStore
 from rollout.worker import RolloutWorker
 
 # learner init and the first publish (compiles included) on a loaded machine
@@ -93,10 +94,12 @@ class Fleet:
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
               latency_model: Any = None, resume: bool = True, min_update_s: float = 0.0,
               on_phase: Any = None) -> "Fleet":
-        """Start-up order (DESIGN.md "Processes"): the data and learner actors are created first
-        and the learner initialises while the relays and, with relays on, the rollouts start
-        (their engines are built on the first weights they pull). on_phase(key, text) is told each
-        phase as it ends (key: the summary's `startup` entry, text: the start-up line)."""
+        """Start-up order (DESIGN.md "Processes"): the data and learner actors are created first,
+        with the learner's first publish queued behind its init; the rollouts and relays start
+        while the learner initialises (the driver names the weight store, so nothing waits for
+        the learner but the publish), and the rollouts build their engines on the first weights
+        they pull. on_phase(key, text) is told each phase as it ends (key: the summary's
+        `startup` entry, text: the start-up line)."""
         engines.check_engines(cfg, model_dir)
         phase = on_phase or (lambda key, text: None)
         mesh = cfg.mesh
@@ -115,50 +118,54 @@ class Fleet:
             pool_kw, buffer_kw, mode=cfg.manager.mode,
             global_batch=cfg.learner.global_batch_groups, max_staleness=cfg.manager.max_staleness)
         nodes = cluster.alive_nodes()
+        # the driver names the weight store (on the learner's node; the learner makes the folder),
+        # so relays and rollouts start while the learner initialises, not after it
+        store = WeightStore(root=os.path.join(cfg.relay.store_dir, f"{cfg.run.name}-{uuid.uuid4().hex[:6]}-{os.getpid()}"),
+                            node_id=nodes[0], shared=False)
         learner = ray.remote(Learner).options(**cluster.actor_options(
             kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4,
             env=engines.learner_env(cfg))).remote(
-            cfg, run_dir, data, resume=resume, min_update_s=min_update_s)
+            cfg, run_dir, data, resume=resume, min_update_s=min_update_s, store_root=store.root)
+        # the first publish is queued behind the learner's init: it runs the moment the init ends
+        published = learner.publish.remote()
         phase("actors", "learner and data actors created; learner initialising (jax, model, optimizer)")
         mcfg = engines.model_config(cfg, model_dir)
         relays, prefix = None, f"laminar-relay-{cfg.run.name}-{uuid.uuid4().hex[:6]}"
-        store = ray.get(learner.weight_store.remote(), timeout=STARTUP_TIMEOUT_S)
-        phase("learner", "learner ready")
         # with relays, a rollout reads the store while its relay is dead or restarting
         source = (RelaySource(prefix, fallback=StoreSource(store, mcfg)) if cfg.relay.enabled
                   else StoreSource(store, mcfg))
         spawn = RolloutSpawner(cfg, data, source, model_dir, tokenizer, RewardScorer(reward), kind,
                                need["rollout"], nodes, prefix, latency_model)
         workers, loops = {}, {}
-
-        def start_rollouts():
-            for i, (_, pool) in enumerate(cfg.rollout.assignments()):
-                rid, workers[rid] = spawn(i)
-                loops[rid] = workers[rid].run.remote()
-                if events is not None:
-                    accel = need["rollout"].get(rid, 0.0) if kind else 0.0
-                    events("rollout_started", rollout=rid, pool=pool.name, engine=pool.engine, accelerators=accel,
-                           **engines.vllm_kwargs(accel, kind) if pool.engine == "vllm" else {})
-
-        if cfg.relay.enabled:   # rollouts wait on their relay: they start while relays come up and publish
-            start_rollouts()
-            phase("rollouts", f"{cfg.rollout.num_rollouts} rollouts starting (they wait for the first weights)")
+        # rollouts wait on their source (relay, else the store): they start now and build their
+        # engines on the first weights
+        for i, (_, pool) in enumerate(cfg.rollout.assignments()):
+            rid, workers[rid] = spawn(i)
+            loops[rid] = workers[rid].run.remote()
+            if events is not None:
+                accel = need["rollout"].get(rid, 0.0) if kind else 0.0
+                events("rollout_started", rollout=rid, pool=pool.name, engine=pool.engine, accelerators=accel,
+                       **engines.vllm_kwargs(accel, kind) if pool.engine == "vllm" else {})
+        phase("rollouts", f"{cfg.rollout.num_rollouts} rollouts starting (they wait for the first weights)")
+        if cfg.relay.enabled:
             from laminar_jax.weights.relay_group import RelayGroup
             r = cfg.relay
+            # set_master (on_master_change) waits for the learner's init; the relays' own start-up
+            # runs meanwhile. The learner re-announces its newest version to every new master.
             relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=r.num_chunks or None,
                                 t_byte=r.t_byte_s, t_start=r.t_start_s, prefix=prefix,
                                 transport=r.transport, stream_timeout_s=r.stream_timeout_s,
                                 shared_memory=r.shared_memory, idle_timeout_s=r.idle_timeout_s,
                                 max_connections=r.max_connections, max_restarts=r.max_restarts,
-                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m), timeout=300)],
+                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m),
+                                                                    timeout=STARTUP_TIMEOUT_S)],
                                 events=events, runtime_env={"env_vars": {
                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})
             relays.start_monitor(r.check_interval_s)
             phase("relays", f"{len(nodes)} relay(s) up")
-        ray.get(learner.publish.remote(), timeout=STARTUP_TIMEOUT_S)
+        ray.get(published, timeout=STARTUP_TIMEOUT_S)
+        phase("learner", "learner ready")
         phase("publish", "first weights published; rollouts building engines")
-        if not cfg.relay.enabled:
-            start_rollouts()
         manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(
             cfg, workers, data, spawn=spawn, loops=loops)
         fleet = cls(data, learner, manager, workers, loops, relays, bad_rows=list(dataset.bad_rows),

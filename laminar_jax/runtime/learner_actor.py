@@ -26,8 +26,8 @@ from laminar_jax.metrics import exact_rate
 from laminar_jax.runtime import batch as B
 from laminar_jax.runtime import breakdown, compile_cache
 from laminar_jax.runtime import engine_metrics
-from laminar_jax.runtime import rl_step
-from laminar_jax.runtime.checkpoint import Checkpointer, checkpoint_due
+# rl_step and checkpoint (jax, flax, orbax) are imported in the actor's __init__: the driver
+# imports this module only for the class, and skipping them there saves it seconds of start-up
 
 STALL_TIMEOUT_S = 900.0
 # one blocking wait on the data actor; the learner re-asks until STALL_TIMEOUT_S
@@ -37,14 +37,18 @@ SAMPLE_WAIT_S = 5.0
 class Learner:
     """Holds the train state; `step()` runs one iteration and returns its log records."""
 
-    def __init__(self, cfg: Any, run_dir: str, data: Any, *, resume: bool = True, min_update_s: float = 0.0):
+    def __init__(self, cfg: Any, run_dir: str, data: Any, *, resume: bool = True, min_update_s: float = 0.0,
+                 store_root: str | None = None):
         import jax
 
         from laminar_jax import sharding as shd
         from laminar_jax.learner.setup import build
+        from laminar_jax.runtime import rl_step
+        from laminar_jax.runtime.checkpoint import Checkpointer, checkpoint_due
         from laminar_jax.weights.publish import Publisher, WeightStore
 
         self.cfg, self.data, self._jax, self._shd = cfg, data, jax, shd
+        self._rl_step, self._checkpoint_due = rl_step, checkpoint_due
         compile_cache.enable(cfg.run.compile_cache)   # also when Ray was started without its env
         # benchmarks only: an update lasts at least this long (an accelerator-bound learner)
         self.min_update_s = float(min_update_s)
@@ -69,7 +73,9 @@ class Learner:
         from laminar_jax.runtime.run_folder import clean_stale_stores
         for stale in clean_stale_stores(cfg.relay.store_dir):  # left by crashed runs
             self._event("stale_store_removed", path=stale)
-        root = os.path.join(cfg.relay.store_dir, f"{cfg.run.name}-{os.getpid()}")
+        # store_root: chosen by the driver (`Fleet.start`), so relays and rollouts start before
+        # this init ends; the default names the store after this process
+        root = store_root or os.path.join(cfg.relay.store_dir, f"{cfg.run.name}-{os.getpid()}")
         self.store = WeightStore.local(root)
         self.publisher = Publisher(self.store, dtype=cfg.model.rollout_dtype, events=self._event)
         self._last_end = time.time()
@@ -97,6 +103,10 @@ class Learner:
 
     def weight_store(self):
         return self.store
+
+    def pid(self) -> int:
+        """This process (the driver removes the weight store once it is gone)."""
+        return os.getpid()
 
     def set_master(self, master: Any) -> None:
         self.publisher.set_master(master)
@@ -176,7 +186,7 @@ class Learner:
             except NonFiniteLossError as e:
                 self.state, m = e.state, e.metrics
                 self._event("nonfinite_loss", version=self.version, loss=m.get("loss"))
-            steps.append(rl_step.scalar_metrics(m, "loss/"))   # float(): waits for the update
+            steps.append(self._rl_step.scalar_metrics(m, "loss/"))   # float(): waits for the update
         self._times.add("update_s", clock)
         # train-step shapes compiled inside this update (0 once learner.precompile covered them)
         metrics["learner/step_compiles"] = float(self.fns.train.call_compiles - compiled)
@@ -229,7 +239,7 @@ class Learner:
         metrics["time/publish_write_s"] = self._write_s   # background (newest finished write)
         self._last_end = end
         run = self.cfg.run
-        saving = checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
+        saving = self._checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
                                 now=time.time(), every=run.checkpoint_every, every_s=run.checkpoint_every_s,
                                 final_version=run.steps)
         clock = time.perf_counter()

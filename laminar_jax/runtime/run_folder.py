@@ -169,16 +169,27 @@ def clean_stale_stores(store_dir: str) -> list[str]:
     return removed
 
 
-def remove_store(root: str, *, wait_s: float = 15.0) -> bool:
+def remove_store(root: str, *, wait_s: float = 15.0, pid: int | None = None) -> bool:
     """Remove the run's own weight store once its learner process is gone (a killed actor takes a
     moment to exit); True when removed. Waits at most `wait_s`; a store whose process lives on is
-    left for `clean_stale_stores` at the next start."""
+    left for `clean_stale_stores` at the next start. pid: the learner's process when the name
+    carries another one (`Fleet.start` names the store after the driver, before the learner runs)."""
     m = _STORE.match(os.path.basename(root))
     if m is None or not os.path.isdir(root):
         return False
+    owner = int(m.group(1)) if pid is None else pid
     deadline = time.time() + wait_s
-    while _alive(int(m.group(1))):
+    while _alive(owner):
         if time.time() > deadline:
             return False
         time.sleep(0.1)
-    return str(root) in clean_stale_stores(os.path.dirname(root))
+    if owner == int(m.group(1)):
+        return str(root) in clean_stale_stores(os.path.dirname(root))
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return False
+    if not all(_STORE_ENTRY.match(e) for e in entries):
+        return False
+    shutil.rmtree(root, ignore_errors=True)
+    return True

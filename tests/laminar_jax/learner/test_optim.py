@@ -66,3 +66,35 @@ def test_optimizer_from_config_reads_the_section():
                                [1.0, 2.0, 2.0, 1.5, 1.0, 0.5, 0.0], rtol=1e-6)
     _, sched = optimizer_from_config(Section(), total_steps=6, lr=4.0)
     np.testing.assert_allclose(float(sched(2)), 4.0)
+
+
+def test_schedule_numbers_live_in_the_state_one_program_for_every_run_length():
+    """run.steps, lr and the warm-up are arrays in the optimizer state (`ScheduleState`): the
+    lowered update is the same program for other values (a warm persistent compilation cache
+    hits), and its updates equal optax.adamw's on the closure schedule."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from laminar_jax.learner.optim import logged_lr
+
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0)}
+    grads = jax.tree.map(lambda p: jnp.cos(p) + 0.3, params)
+
+    def lowered(**kw):
+        tx, _ = make_optimizer(grad_clip=1.0, schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, **kw)
+        return jax.jit(tx.update).lower(grads, tx.init(params), params).as_text()
+    base = lowered(lr=3e-4, total_steps=60, warmup_steps=2)
+    assert base == lowered(lr=1e-3, total_steps=61, warmup_steps=5)
+
+    kw = dict(lr=3e-3, warmup_steps=2, schedule="cosine", total_steps=7, min_lr_ratio=0.1)
+    tx, sched = make_optimizer(grad_clip=0, weight_decay=0.1, **kw)
+    ref = optax.adamw(make_schedule(**kw), weight_decay=0.1, mask=lambda t: jax.tree.map(lambda p: p.ndim >= 2, t))
+    s, r, p, q = tx.init(params), ref.init(params), params, params
+    for i in range(8):
+        assert np.isclose(float(logged_lr(sched, s, i)), float(sched(i)), rtol=1e-6)
+        u, s = tx.update(grads, s, p)
+        v, r = ref.update(grads, r, q)
+        p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), p, q)

@@ -148,3 +148,18 @@ def test_checkpoint_event_only_after_orbax_commits(tmp_path):
     assert ck.latest() == 1 and run_folder.checkpoints(str(tmp_path)) == [1]
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if "tmp" in p.name]
     ck.close()
+
+
+def test_a_store_named_after_another_process_is_removed_once_its_learner_is_gone(tmp_path):
+    """`Fleet.start` names the store after the driver (alive all run): `remove_store(pid=...)`
+    waits on the learner's process instead, and removes only a folder of published versions."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store = tmp_path / f"run-ab12cd-{os.getpid()}"
+    (store / "v0000000002").mkdir(parents=True)
+    assert not run_folder.remove_store(str(store), pid=os.getpid(), wait_s=0.2)   # learner alive: kept
+    assert store.exists() and run_folder.clean_stale_stores(str(tmp_path)) == []   # named after a live pid
+    assert run_folder.remove_store(str(store), pid=dead.pid) and not store.exists()
+    other = tmp_path / f"run-ef34ab-{os.getpid()}"
+    (other / "notes.txt").mkdir(parents=True)                                        # not only versions
+    assert not run_folder.remove_store(str(other), pid=dead.pid) and other.exists()
