@@ -109,6 +109,11 @@ class DataActor:
         """Up to n groups for a rollout on `weight_version`, within the mode's issue limit."""
         acc = self.pool.accounting()
         position = acc["epoch"] * acc["num_prompts"] + acc["index"]
+        if modes.interrupts_on_publish(self.mode):
+            # AReaL counts accepted submissions: a group dropped as stale (or evicted) never
+            # reaches a batch, so it must not keep using the allowance (which would shrink for good)
+            b = self.buffer.accounting()
+            position -= b["dropped_stale"] + b["evicted"]
         # partial: count from the older of the learner's and the rollout's version (a rollout that
         # has not pulled the newest weights yet generates older tokens)
         limit = modes.fresh_issue_limit(self.mode, next_position=position, weight_version=weight_version,

@@ -117,3 +117,13 @@ def test_partial_mode_drops_groups_past_its_bound_and_issues_from_the_older_vers
     assert [t[0].group_id for t in batch] == [got[1].group_id]
     acc = a2.accounting()
     assert acc["dropped"] == 1 and acc["consumed"] == 1 and acc["unaccounted"] == 0
+
+
+def test_partial_mode_gives_a_dropped_groups_slot_back():
+    a = make_actor("partial")  # eta 1, global batch 2: (v + 2) * 2 accepted submissions
+    got = a.issue(4, "r0", weight_version=0)
+    deliver(a, got[0], 0)
+    deliver(a, got[1], 1)
+    assert [t[0].group_id for t in a.sample(1, 2)] == [got[1].group_id]  # got[0] dropped as stale
+    # 4 issued, 1 of them dropped: 3 accepted, so (2 + 2) * 2 - 3 = 5 more may go out on version 2
+    assert len(a.issue(10, "r0", weight_version=2)) == 5
