@@ -49,6 +49,7 @@ class _Seq:
     versions: list = field(default_factory=list)
     pages: list = field(default_factory=list)
     kv_len: int = 0                                  # positions written into the pages
+    kv_version: int = -1                             # weight version of the cached K/V
     first_token: float | None = None
 
     @property
@@ -99,6 +100,7 @@ class JaxEngine:
         self._running: list[_Seq] = []
         self._rng = np.random.default_rng(seed)
         self.num_preemptions = 0
+        self.num_reprefills = 0  # zero-mismatch mode: requests re-prefilled after new weights
 
     @classmethod
     def from_pretrained(cls, folder: str, **kwargs) -> "JaxEngine":
@@ -123,6 +125,8 @@ class JaxEngine:
         return bool(self._running or self._waiting)
 
     def step(self) -> list[E.Completion]:
+        if self.cfg.attention == "exact":
+            self._reprefill_stale()
         decoding = self._grow_pages()
         admitted = self._admit()
         if decoding:
@@ -173,6 +177,16 @@ class JaxEngine:
         self._free_pages.extend(reversed(seq.pages))
         seq.pages, seq.kv_len = [], 0
         self._running.remove(seq)
+
+    def _reprefill_stale(self) -> None:
+        """Zero-mismatch mode: K/V cached under older weights would make the next tokens differ
+        from the learner's recompute at the new version, so such requests go back to the head of
+        the queue (in order) and are prefilled again with the current weights."""
+        stale = [s for s in self._running if s.kv_version != self.weight_version]
+        for seq in reversed(stale):
+            self._release(seq)
+            self._waiting.appendleft(seq)
+        self.num_reprefills += len(stale)
 
     def _grow_pages(self) -> list[_Seq]:
         """Give every running request the page its next write needs, preempting from the back."""
@@ -241,6 +255,7 @@ class JaxEngine:
             seq.logp.append(float(logp[i]))
             seq.raw_logp.append(float(raw[i]))
             seq.versions.append(self.weight_version)
+            seq.kv_version = self.weight_version
             seq.first_token = seq.first_token or now
 
     def _finish(self, seqs: list[_Seq]) -> list[E.Completion]:
