@@ -13,6 +13,11 @@ Scheduling, per `step()` (every running request gains exactly one token):
 
 Shapes are bucketed (rows and window pages are powers of two), so a steady workload runs without
 recompiling; `load_weights` swaps the params between steps, with no recompile either.
+
+Zero-mismatch mode (a decoder config with `attention="exact"`, what `rollout.zero_mismatch`
+builds): the batch-invariant decoder (`laminar_jax.models.exact`) and sampling from the learner's
+exact log-probs, and running requests are re-prefilled after a weight switch, so every token's
+behaviour log-prob equals the learner's recompute at its version bit for bit.
 """
 from __future__ import annotations
 

@@ -162,19 +162,21 @@ def _exact_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_k):
 def attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, block_k: int = KEY_BLOCK):
     """Batch-invariant attention (module docstring); arguments as `models.attention.naive`:
     q [B, T, H, D]; k, v [B, S, K, D]; int q_seg, q_pos [B, T], kv_seg, kv_pos [B, S]."""
-    q_seg, kv_seg, q_pos, kv_pos = (x.astype(jnp.int32) for x in (q_seg, kv_seg, q_pos, kv_pos))
+    ints = tuple(x.astype(jnp.int32) for x in (q_seg, kv_seg, q_pos, kv_pos))
 
+    # the integer masks are arguments, not closed over: inside the layer scan they are tracers
     @jax.custom_vjp
-    def f(q, k, v):
-        return _exact_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_k)
+    def f(q, k, v, *ints):
+        return _exact_fwd(q, k, v, *ints, block_k)
 
-    def fwd(q, k, v):
-        return f(q, k, v), (q, k, v)
+    def fwd(q, k, v, *ints):
+        return f(q, k, v, *ints), (q, k, v, ints)
 
     def bwd(res, ct):
         from laminar_jax.models.attention import blockwise
-        _, vjp = jax.vjp(lambda q, k, v: blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos), *res)
-        return vjp(ct)
+        q, k, v, ints = res
+        _, vjp = jax.vjp(lambda q, k, v: blockwise(q, k, v, *ints), q, k, v)
+        return vjp(ct) + (None,) * len(ints)
 
     f.defvjp(fwd, bwd)
-    return f(q, k, v)
+    return f(q, k, v, *ints)

@@ -39,7 +39,9 @@ def _learner_logp(model, done):
 
 def _generate(cfg, model, switch_to=None):
     params = jax.tree.map(np.asarray, nnx.state(model, nnx.Param).to_pure_dict())
-    engine = JaxEngine(cfg, params, max_num_seqs=4, max_model_len=MAX_LEN, page_size=8)
+    # one row bucket and one window: two compiled steps per engine (the runtime does the same)
+    engine = JaxEngine(cfg, params, max_num_seqs=4, max_model_len=MAX_LEN, page_size=8, min_rows=4,
+                       min_window_pages=MAX_LEN // 8)
     rng = np.random.default_rng(3)
     reqs = [E.Request(str(i), rng.integers(0, cfg.vocab_size, int(rng.integers(3, 20))),
                       E.SamplingParams(max_new_tokens=int(rng.integers(4, 24)), seed=i)) for i in range(6)]

@@ -20,7 +20,9 @@ MODES = {
     "sync": {},
     "one_step": {},
     "stream": {"learner.mini_batches": 2, "manager.max_staleness": 1},
-    "partial": {"manager.max_staleness": 2},
+    # zero-mismatch mode (rollout.zero_mismatch): trajectories cross weight switches here, which
+    # the engine answers by re-prefilling; every fresh token's log-prob must still be exact
+    "partial": {"manager.max_staleness": 2, "rollout.zero_mismatch": "true"},
     "laminar": {"rollout.num_rollouts": 3, "learner.global_batch_groups": 8},
 }
 
@@ -58,6 +60,8 @@ def test_mode_learns_and_keeps_its_staleness_rule(mode, cluster, countdown_model
     assert acc["issued"] == acc["consumed"] + acc["buffered"] + acc["in_flight"] + acc["requeued"] + acc["dropped"]
     if mode == "partial":
         assert any(e == "pull" for e in run.events.kind)
+        assert m["mismatch/jax/num_tokens"].sum() > 0
+        assert m["mismatch/jax/abs_max"].max() == 0.0, m["mismatch/jax/abs_max"].max()
     rows = get_task("countdown", num_prompts=cfg.data.num_prompts, max_n=cfg.data.task_max_n,
                     seed=cfg.run.seed).rows()
     n_of = {r.prompt_id: r.row["n"] for r in rows}
