@@ -16,6 +16,7 @@ from laminar_jax.models.hf import params_to_hf
 from rollout import engine as E
 from rollout.jax_engine import JaxEngine
 
+pytestmark = pytest.mark.slow  # real engine + learner, compiled twice (fp32, bf16)
 MAX_LEN = 48
 
 
