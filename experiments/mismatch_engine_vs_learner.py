@@ -1,7 +1,7 @@
 """How far the JAX engine's behaviour log-probs are from the learner's recompute of the same tokens.
 
     python experiments/mismatch_engine_vs_learner.py [--dtypes float32,bfloat16] [--requests 16]
-        [--concurrency 8] [--new-tokens 48] [--preset tiny]
+        [--concurrency 8] [--new-tokens 48] [--preset tiny] [--modes default,zero_mismatch]
 
 For each compute dtype: a randomly initialised decoder (`--preset`, params in that dtype, as the
 rollout copy is), the JAX engine (`rollout.jax_engine`, paged KV cache, continuous batching)
@@ -12,9 +12,14 @@ with all trajectories in one padded batch and once one trajectory per call. The 
 `raw_logp` (temperature 1, untruncated: what the learner computes). Metrics per token over the
 response tokens: `rl.mismatch.mismatch_metrics` (abs mean / max, k1, k3, chi2) and the fraction of
 tokens whose two log-probs are bit-identical; plus the learner against itself (batched vs one per
-call), which shows how much comes from batch-dependent reductions alone. This is the baseline a
-zero-mismatch mode must bring to exactly 0. Prints a table; writes
-experiments/results/mismatch_engine_vs_learner.json.
+call), which shows how much comes from batch-dependent reductions alone. Mode "default" is the
+ordinary decoder (the baseline); "zero_mismatch" is `rollout.zero_mismatch: true`
+(`model.attention: exact` on both sides, `models.exact`), which must give exactly 0.
+
+Cost: each mode's engine runs the same requests twice, the first run compiling; the second is
+timed: `decode_tok_s` = response tokens / wall seconds of the whole generation (prefill
+included), and `learner_logp_s` the second call of the learner's jitted batched recompute.
+Prints a table; writes experiments/results/mismatch_engine_vs_learner.json.
 """
 from __future__ import annotations
 
@@ -32,10 +37,23 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def _learner_logp(model, trajs, pad_to):
-    import jax.numpy as jnp
+def _learner_fn(model):
+    """Jitted (state, tokens, positions, segment_ids, response_mask) -> the learner's log-probs."""
+    import jax
+    from flax import nnx
 
     from laminar_jax.learner import logprobs as lp
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda st, *a: lp.sequence_logprobs(nnx.merge(graphdef, st), *a[:3], response_mask=a[3],
+                                                     chunk_size=128)[0])
+    return fn, state
+
+
+def _learner_logp(learner, trajs, pad_to, timings=None):
+    import time
+
+    import jax
+    import jax.numpy as jnp
     b = len(trajs)
     tokens = np.zeros((b, pad_to), np.int32)
     seg = np.zeros((b, pad_to), np.int32)
@@ -45,13 +63,19 @@ def _learner_logp(model, trajs, pad_to):
         n, p = len(prompt) + len(response), len(prompt)
         tokens[i, :n] = np.concatenate([prompt, response])
         seg[i, :n], pos[i, :n], resp[i, p:n] = 1, np.arange(n), 1.0
-    logp, _ = lp.sequence_logprobs(model, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg),
-                                   response_mask=jnp.asarray(resp), chunk_size=128)
-    logp = np.asarray(logp, np.float32)
+    fn, state = learner
+    args = (state, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(resp))
+    logp = np.asarray(fn(*args), np.float32)
+    if timings is not None:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        timings["learner_logp_s"] = time.perf_counter() - start
     return [logp[i, len(pr):len(pr) + len(re)] for i, (pr, re) in enumerate(trajs)]
 
 
-def run(dtype: str, args) -> dict:
+def run(dtype: str, mode: str, args) -> dict:
+    import time
+
     import jax
     from flax import nnx
 
@@ -61,25 +85,35 @@ def run(dtype: str, args) -> dict:
     from rollout import engine as E
     from rollout.jax_engine import JaxEngine
 
-    cfg = DecoderConfig.preset(args.preset, param_dtype=dtype, dtype=dtype)
+    attention = "exact" if mode == "zero_mismatch" else "auto"
+    cfg = DecoderConfig.preset(args.preset, param_dtype=dtype, dtype=dtype, attention=attention)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param).to_pure_dict()
     max_len = 24 + args.new_tokens
     engine = JaxEngine(cfg, jax.tree.map(np.asarray, params), max_num_seqs=args.concurrency,
                        max_model_len=max_len, page_size=16)
     rng = np.random.default_rng(1)
-    reqs = [E.Request(id=str(i), prompt_tokens=rng.integers(0, cfg.vocab_size, rng.integers(4, 25)),
-                      sampling=E.SamplingParams(max_new_tokens=args.new_tokens, seed=i))
-            for i in range(args.requests)]
-    engine.add(reqs)
-    done = []
-    while engine.has_unfinished():
-        done += engine.step()
-    done.sort(key=lambda c: int(c.request_id))
+    prompts = [rng.integers(0, cfg.vocab_size, rng.integers(4, 25)) for _ in range(args.requests)]
+
+    def generate(tag):
+        engine.add([E.Request(id=f"{tag}{i}", prompt_tokens=p,
+                              sampling=E.SamplingParams(max_new_tokens=args.new_tokens, seed=i))
+                    for i, p in enumerate(prompts)])
+        out, start = [], time.perf_counter()
+        while engine.has_unfinished():
+            out += engine.step()
+        return sorted(out, key=lambda c: int(c.request_id[1:])), time.perf_counter() - start
+
+    done, _ = generate("a")      # compiles every shape the second run uses
+    again, seconds = generate("b")
+    if [c.response_tokens.tolist() for c in done] != [c.response_tokens.tolist() for c in again]:
+        raise RuntimeError("the engine's second run of the same seeded requests sampled different tokens")
     trajs = [(np.asarray(c.prompt_tokens), np.asarray(c.response_tokens)) for c in done]
     engine_logp = [np.asarray(c.raw_logp, np.float32) for c in done]
-    batched = _learner_logp(model, trajs, max_len)
-    single = [_learner_logp(model, [t], max_len)[0] for t in trajs]
+    timings: dict = {}
+    learner = _learner_fn(model)
+    batched = _learner_logp(learner, trajs, max_len, timings)
+    single = [_learner_logp(learner, [t], max_len)[0] for t in trajs]
 
     def table(a, b):
         n = max(len(x) for x in a)
@@ -92,7 +126,9 @@ def run(dtype: str, args) -> dict:
         out["bit_identical_frac"] = float(((A == Bm) & (M > 0)).sum() / M.sum())
         return out
 
-    return {"dtype": dtype, "preset": args.preset, "tokens": int(sum(len(x) for x in engine_logp)),
+    tokens = int(sum(len(x) for x in engine_logp))
+    return {"dtype": dtype, "mode": mode, "preset": args.preset, "tokens": tokens,
+            "decode_tok_s": tokens / seconds, "learner_logp_s": timings["learner_logp_s"],
             "engine_vs_learner_batched": table(batched, engine_logp),
             "engine_vs_learner_single": table(single, engine_logp),
             "learner_batched_vs_single": table(batched, single)}
@@ -105,15 +141,21 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--modes", default="default,zero_mismatch")
     args = ap.parse_args()
-    rows = [run(d, args) for d in args.dtypes.split(",")]
-    print(f"{'dtype':>9} {'pair':>28} {'abs_mean':>9} {'abs_max':>9} {'k3':>9} {'bit-equal':>9}")
+    rows = [run(d, mode, args) for d in args.dtypes.split(",") for mode in args.modes.split(",")]
+    print(f"{'dtype':>9} {'mode':>13} {'pair':>26} {'abs_mean':>9} {'abs_max':>9} {'k3':>9} {'bit-equal':>9}")
     for r in rows:
         for pair in ("engine_vs_learner_batched", "engine_vs_learner_single",
                      "learner_batched_vs_single"):
             m = r[pair]
-            print(f"{r['dtype']:>9} {pair:>28} {m['abs_mean']:>9.2e} {m['abs_max']:>9.2e} "
+            print(f"{r['dtype']:>9} {r['mode']:>13} {pair:>26} {m['abs_mean']:>9.2e} {m['abs_max']:>9.2e} "
                   f"{m['k3']:>9.2e} {m['bit_identical_frac']:>9.3f}")
+    print(f"\n{'dtype':>9} {'mode':>13} {'decode tok/s':>12} {'vs default':>10} {'learner logp s':>14}")
+    for r in rows:
+        base = next(b for b in rows if b["dtype"] == r["dtype"] and b["mode"] == rows[0]["mode"])
+        print(f"{r['dtype']:>9} {r['mode']:>13} {r['decode_tok_s']:>12.1f} "
+              f"{r['decode_tok_s'] / base['decode_tok_s']:>10.2f} {r['learner_logp_s']:>14.4f}")
     out = os.path.join(ROOT, "experiments", "results", "mismatch_engine_vs_learner.json")
     with open(out, "w") as f:
         json.dump({"rows": rows, "args": vars(args), "machine": platform.platform()}, f, indent=2)

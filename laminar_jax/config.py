@@ -98,8 +98,9 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"
     rollout_dtype: DType = "float32"
-    # models.attention: auto = cudnn on GPU, splash on TPU, blockwise (flash-style XLA) elsewhere
-    attention: Literal["auto", "blockwise", "cudnn", "splash", "naive"] = "auto"
+    # models.attention: auto = cudnn on GPU, splash on TPU, blockwise (flash-style XLA) elsewhere;
+    # exact = batch-invariant decoder (models.exact), what rollout.zero_mismatch switches on
+    attention: Literal["auto", "blockwise", "cudnn", "splash", "naive", "exact"] = "auto"
 
     def __post_init__(self):
         _non_empty(self, "hf_path")
@@ -274,6 +275,12 @@ class RolloutConfig:
     resources each worker asks for (0 on CPU). gpu_memory_utilization: vLLM's share of each GPU's
     memory (null: a fractional accelerators_per_rollout, else vLLM's default).
 
+    zero_mismatch: the JAX engine and the learner both run the batch-invariant decoder
+    (`model.attention: exact`, `laminar_jax.models.exact`), so the engine's behaviour log-probs are
+    bit-identical to the learner's recompute of the same tokens at the same version, and tokens
+    are sampled from exactly those probabilities. Needs engine jax in every pool, temperature 1,
+    no top-k/top-p, and model.rollout_dtype == model.dtype (checked in `Config`).
+
     pools: several pools of rollouts in one run, e.g. vLLM rollouts on GPU nodes next to JAX
     rollouts (`PoolConfig`); empty = one pool made of the keys above (the short form). With pools,
     num_rollouts must be their total. `pools_resolved()` / `assignments()` are the one place
@@ -291,6 +298,7 @@ class RolloutConfig:
     accelerators_per_rollout: float = 0.0
     gpu_memory_utilization: float | None = None
     pools: tuple[PoolConfig, ...] = ()
+    zero_mismatch: bool = False
 
     def __post_init__(self):
         _fraction_or_null(self, "gpu_memory_utilization")
@@ -588,3 +596,22 @@ class Config:
         _require(self.env.name is None or self.env.max_total_tokens < self.learner.max_seq_len,
                  "env.max_total_tokens", self.env.max_total_tokens,
                  f"fewer than learner.max_seq_len ({self.learner.max_seq_len}): the prompt needs room too")
+        if self.rollout.zero_mismatch:
+            self._check_zero_mismatch()
+
+    def _check_zero_mismatch(self):
+        """rollout.zero_mismatch needs both sides to run the same batch-invariant JAX code."""
+        r, m = self.rollout, self.model
+        vllm = [p.name for p in r.pools_resolved() if p.engine != "jax"]
+        _require(not vllm, "rollout.zero_mismatch", True,
+                 f"engine jax in every pool (pools {vllm} use vllm, whose kernels cannot match the "
+                 f"learner bit for bit); set rollout.zero_mismatch=false or rollout.engine=jax")
+        _require(r.temperature == 1.0 and r.top_p == 1.0 and r.top_k == 0, "rollout.zero_mismatch", True,
+                 f"rollout.temperature=1, top_p=1, top_k=0 (got {r.temperature}, {r.top_p}, {r.top_k}): "
+                 f"the learner scores the untempered, untruncated distribution")
+        _require(m.rollout_dtype == m.dtype, "rollout.zero_mismatch", True,
+                 f"model.rollout_dtype == model.dtype (got {m.rollout_dtype!r} vs {m.dtype!r}): the "
+                 f"engine must compute in the learner's dtype")
+        _require(m.attention in ("auto", "exact"), "rollout.zero_mismatch", True,
+                 f"model.attention auto or exact (got {m.attention!r}): zero mismatch runs the exact "
+                 f"batch-invariant attention on both sides")

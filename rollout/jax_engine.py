@@ -13,6 +13,11 @@ Scheduling, per `step()` (every running request gains exactly one token):
 
 Shapes are bucketed (rows and window pages are powers of two), so a steady workload runs without
 recompiling; `load_weights` swaps the params between steps, with no recompile either.
+
+Zero-mismatch mode (a decoder config with `attention="exact"`, what `rollout.zero_mismatch`
+builds): the batch-invariant decoder (`laminar_jax.models.exact`) and sampling from the learner's
+exact log-probs, and running requests are re-prefilled after a weight switch, so every token's
+behaviour log-prob equals the learner's recompute at its version bit for bit.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class _Seq:
     versions: list = field(default_factory=list)
     pages: list = field(default_factory=list)
     kv_len: int = 0                                  # positions written into the pages
+    kv_version: int = -1                             # weight version of the cached K/V
     first_token: float | None = None
 
     @property
@@ -101,6 +107,7 @@ class JaxEngine:
         self._running: list[_Seq] = []
         self._rng = np.random.default_rng(seed)
         self.num_preemptions = 0
+        self.num_reprefills = 0  # zero-mismatch mode: requests re-prefilled after new weights
 
     @classmethod
     def from_pretrained(cls, folder: str, **kwargs) -> "JaxEngine":
@@ -125,6 +132,8 @@ class JaxEngine:
         return bool(self._running or self._waiting)
 
     def step(self) -> list[E.Completion]:
+        if self.cfg.attention == "exact":
+            self._reprefill_stale()
         decoding = self._grow_pages()
         admitted = self._admit()
         if decoding:
@@ -174,6 +183,16 @@ class JaxEngine:
         self._free_pages.extend(reversed(seq.pages))
         seq.pages, seq.kv_len = [], 0
         self._running.remove(seq)
+
+    def _reprefill_stale(self) -> None:
+        """Zero-mismatch mode: K/V cached under older weights would make the next tokens differ
+        from the learner's recompute at the new version, so such requests go back to the head of
+        the queue (in order) and are prefilled again with the current weights."""
+        stale = [s for s in self._running if s.kv_version != self.weight_version]
+        for seq in reversed(stale):
+            self._release(seq)
+            self._waiting.appendleft(seq)
+        self.num_reprefills += len(stale)
 
     def _grow_pages(self) -> list[_Seq]:
         """Give every running request the page its next write needs, preempting from the back."""
@@ -242,6 +261,7 @@ class JaxEngine:
             seq.logp.append(float(logp[i]))
             seq.raw_logp.append(float(raw[i]))
             seq.versions.append(self.weight_version)
+            seq.kv_version = self.weight_version
             seq.first_token = seq.first_token or now
 
     def _finish(self, seqs: list[_Seq]) -> list[E.Completion]:

@@ -12,6 +12,10 @@ For logits z [S, V] and per-row temperature T, top_k, top_p:
     logp    = log q(y)               (greedy: raw_logp)
     raw_logp = log softmax(z)[y]
 
+With `logprobs` (the full log-softmax [S, V] of the zero-mismatch mode, computed by the
+learner's batch-invariant code): raw_logp is read from it, and rows with T = 1 and no truncation
+draw y from it, so y is sampled from exactly the distribution the learner scores.
+
 Keys: row s draws with `fold_in(key(seed_s), counter_s)`, counter = index of the token in the
 response. A request's draws therefore depend on its seed and position only, not on what else is
 in the batch, and a resumed trajectory continues the stream where it stopped.
@@ -41,7 +45,8 @@ def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           seeds: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+           seeds: jax.Array, counters: jax.Array,
+           logprobs: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens int32 [S], logp fp32 [S], raw_logp fp32 [S]) from fp32 logits [S, V] (module doc).
 
     temperature, top_p fp32 [S]; top_k int32 [S]; seeds uint32 [S]; counters int32 [S].
@@ -49,13 +54,16 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     chex.assert_rank(logits, 2)
     chex.assert_shape([temperature, top_k, top_p, seeds, counters], (logits.shape[0],))
     logits = logits.astype(jnp.float32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
+    raw = jax.nn.log_softmax(logits, axis=-1) if logprobs is None else logprobs
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     needs_truncation = jnp.any(((top_k > 0) | (top_p < 1.0)) & ~greedy)
     # Sorting the vocabulary is the expensive part; skip it when no row truncates.
     scaled = jax.lax.cond(needs_truncation, _truncate, lambda z, *_: z, scaled, top_k, top_p)
     processed = jax.nn.log_softmax(scaled, axis=-1)
+    if logprobs is not None:
+        exact_rows = (temperature == 1.0) & (top_k == 0) & (top_p >= 1.0)
+        processed = jnp.where(exact_rows[:, None], logprobs, processed)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
     drawn = jax.vmap(jax.random.categorical)(keys, processed)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

@@ -29,9 +29,16 @@ def _window(pages: jax.Array, rows: jax.Array) -> jax.Array:
     return g.reshape(g.shape[0], g.shape[1], g.shape[2] * g.shape[3], *g.shape[4:])
 
 
-def _last_logits(model, hidden: jax.Array) -> jax.Array:
+def _sample(model, hidden: jax.Array, *sampling):
+    """Sample from the last hidden states [S, E]. With `model.attention: exact`
+    (rollout.zero_mismatch) the LM head and log-softmax are the learner's batch-invariant ones
+    (`Decoder.exact_logits`), and untempered rows draw from exactly those log-probs."""
+    if model.cfg.attention == "exact":
+        logits, lse = model.exact_logits(hidden)
+        return sample(logits, *sampling, logprobs=logits - lse[:, None])
     kernel = model.lm_head_kernel().astype(hidden.dtype)
-    return jnp.einsum("se,ev->sv", hidden, kernel, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("se,ev->sv", hidden, kernel, preferred_element_type=jnp.float32)
+    return sample(logits, *sampling)
 
 
 def decode(graphdef, params, k_pages, v_pages, tokens, positions, rows, valid,
@@ -52,8 +59,7 @@ def decode(graphdef, params, k_pages, v_pages, tokens, positions, rows, valid,
     offset = positions % page_size
     k_pages = k_pages.at[:, page, offset].set(sub.k[:, slots, positions], mode="drop")
     v_pages = v_pages.at[:, page, offset].set(sub.v[:, slots, positions], mode="drop")
-    logits = _last_logits(model, hidden[:, 0])
-    return (k_pages, v_pages) + sample(logits, temperature, top_k, top_p, seeds, counters)
+    return (k_pages, v_pages) + _sample(model, hidden[:, 0], temperature, top_k, top_p, seeds, counters)
 
 
 def prefill(graphdef, params, k_pages, v_pages, tokens, lengths, rows, valid,
@@ -80,8 +86,7 @@ def prefill(graphdef, params, k_pages, v_pages, tokens, lengths, rows, valid,
     k_pages = k_pages.at[:, target].set(sub.k.reshape(shape), mode="drop")
     v_pages = v_pages.at[:, target].set(sub.v.reshape(shape), mode="drop")
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    logits = _last_logits(model, last)
-    return (k_pages, v_pages) + sample(logits, temperature, top_k, top_p, seeds, counters)
+    return (k_pages, v_pages) + _sample(model, last, temperature, top_k, top_p, seeds, counters)
 
 
 @functools.lru_cache(maxsize=8)

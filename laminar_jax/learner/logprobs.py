@@ -24,8 +24,11 @@ from laminar_jax import sharding as shd
 
 def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
                            chunk_size: int = 128, temperature: float = 1.0,
-                           with_entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                           with_entropy: bool = False, exact_head: Any = None) -> tuple[jax.Array, jax.Array | None]:
     """``logp[b, t] = log softmax(hidden[b, t] @ lm_head / temperature)[targets[b, t]]``.
+
+    ``exact_head(h) -> (logits, lse)`` (``Decoder.exact_logits``, rollout.zero_mismatch) replaces
+    the matmul and log-sum-exp with the engine's batch-invariant ones (temperature 1 only).
 
     hidden ``[B, T, H]`` (any float dtype; the matmul accumulates in fp32), lm_head ``[H, V]``,
     targets int ``[B, T]``. Returns fp32 ``logp [B, T]`` and, with ``with_entropy``, the fp32
@@ -48,13 +51,18 @@ def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.A
     hs = jnp.moveaxis(hidden.reshape(b, n, c, h), 1, 0)       # [n, B, c, H]
     ys = jnp.moveaxis(targets.reshape(b, n, c), 1, 0)         # [n, B, c]
     inv_temp = 1.0 / temperature
+    if exact_head is not None and temperature != 1.0:
+        raise ValueError(f"chunked_token_logprobs: exact_head scores at temperature 1, got {temperature}")
 
     @jax.checkpoint
     def chunk(args):
         hc, yc = args
-        z = jnp.einsum("bch,hv->bcv", hc, lm_head.astype(hc.dtype),
-                       preferred_element_type=jnp.float32) * inv_temp
-        lse = jax.nn.logsumexp(z, axis=-1)
+        if exact_head is not None:
+            z, lse = exact_head(hc)
+        else:
+            z = jnp.einsum("bch,hv->bcv", hc, lm_head.astype(hc.dtype),
+                           preferred_element_type=jnp.float32) * inv_temp
+            lse = jax.nn.logsumexp(z, axis=-1)
         logp = jnp.take_along_axis(z, yc[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
         if not with_entropy:
             return (logp,)
@@ -105,9 +113,11 @@ def sequence_logprobs(model: Any, tokens: jax.Array, positions: jax.Array,
         # gathered once in the compute dtype (the chunks cast it to that anyway)
         head = jax.lax.with_sharding_constraint(model.lm_head_kernel().astype(hidden.dtype),
                                                 shardings.lm_head)
+    exact = getattr(getattr(model, "cfg", None), "attention", None) == "exact"
+    exact_head = model.exact_logits if exact else None
     logp, ent = chunked_token_logprobs(hidden[:, :-1], head, tokens[:, 1:],
                                        chunk_size=chunk_size, temperature=temperature,
-                                       with_entropy=with_entropy)
+                                       with_entropy=with_entropy, exact_head=exact_head)
     shift = lambda x: jnp.where(valid, jnp.pad(x, ((0, 0), (1, 0))), 0.0)  # noqa: E731
     return shift(logp), (shift(ent) if with_entropy else None)
 

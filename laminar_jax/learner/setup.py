@@ -46,6 +46,8 @@ def build(cfg: Any, *, total_steps: int, lr: float | None = None,
     backend here, before any step is traced."""
     from laminar_jax.models.attention import resolve
     dcfg, host_params = model_config(cfg.model)
+    if getattr(getattr(cfg, "rollout", None), "zero_mismatch", False):  # the engines' exact decoder
+        dcfg = dcfg.replace(attention="exact")
     resolve(dcfg.attention)
     if remat is None:
         remat = getattr(getattr(cfg, "learner", None), "remat", "none")

@@ -22,6 +22,9 @@ Implementations (`model.attention`):
 - "splash": the Pallas splash-attention kernel JAX ships for TPU (causal mask + segment ids), for
   the training path; the KV-cache path uses blockwise.
 - "naive": materialised scores, the tests' reference.
+- "exact": batch-invariant attention (`models.exact`: no dot, fixed-order sums), with the
+  decoder's token-wise work in fixed-shape blocks too; what `rollout.zero_mismatch` uses on
+  every backend, so engine and learner give bit-identical log-probs.
 - "auto": cudnn on GPU, splash on TPU, blockwise elsewhere.
 """
 from __future__ import annotations
@@ -32,9 +35,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "blockwise", "cudnn", "splash", "naive")
-_BY_BACKEND = {"cpu": ("blockwise", "naive"), "gpu": ("cudnn", "blockwise", "naive"),
-               "tpu": ("splash", "blockwise", "naive")}
+from laminar_jax.models import exact
+
+IMPLEMENTATIONS = ("auto", "blockwise", "cudnn", "splash", "naive", "exact")
+_BY_BACKEND = {"cpu": ("blockwise", "naive", "exact"), "gpu": ("cudnn", "blockwise", "naive", "exact"),
+               "tpu": ("splash", "blockwise", "naive", "exact")}
 _AUTO = {"gpu": "cudnn", "tpu": "splash"}
 BLOCK_Q = 512
 BLOCK_K = 512
@@ -43,7 +48,7 @@ BLOCK_K = 512
 def supported(backend: str | None = None) -> tuple[str, ...]:
     """Implementations available on `backend` (default: jax.default_backend())."""
     backend = backend or jax.default_backend()
-    return ("auto",) + _BY_BACKEND.get(backend, ("blockwise", "naive"))
+    return ("auto",) + _BY_BACKEND.get(backend, ("blockwise", "naive", "exact"))
 
 
 def resolve(name: str, backend: str | None = None) -> str:
@@ -278,7 +283,7 @@ def attention(q, k, v, *, impl: str = "auto", segment_ids=None, q_positions=None
             return _cudnn_train(q, k, v, seg, pos)
         if name == "splash":
             return _splash_train(q, k, v, seg)
-        fn = naive if name == "naive" else blockwise
+        fn = {"naive": naive, "exact": exact.attention}.get(name, blockwise)
         return fn(q, k, v, seg, seg, pos, pos)
     if segment_ids is not None:
         raise ValueError("attention: segment_ids are for the training path, not with q_positions")
@@ -290,5 +295,5 @@ def attention(q, k, v, *, impl: str = "auto", segment_ids=None, q_positions=None
                                            implementation="cudnn")
         return out.astype(q.dtype)
     ones_q, ones_k = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
-    fn = naive if name == "naive" else blockwise
+    fn = {"naive": naive, "exact": exact.attention}.get(name, blockwise)
     return fn(q, k, v, ones_q, ones_k, q_pos, kv_pos)

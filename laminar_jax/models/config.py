@@ -18,7 +18,7 @@ ARCHITECTURES = {
 _HF_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 DTYPES = ("float32", "bfloat16", "float16")
 # models.attention.IMPLEMENTATIONS (repeated: this module imports no jax)
-ATTENTION = ("auto", "blockwise", "cudnn", "splash", "naive")
+ATTENTION = ("auto", "blockwise", "cudnn", "splash", "naive", "exact")
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from laminar_jax.models import attention as A
+from laminar_jax.models import exact as X
 from laminar_jax.models import layers as L
 from laminar_jax.models.config import DecoderConfig
 
@@ -150,8 +151,26 @@ class TrainShardings(NamedTuple):
     lm_head: object       # sharding of the gathered [hidden, vocab] kernel
 
 
+def _exact_block(cfg, p, x, cos, sin, attend_fn):
+    """`_block` with the token-wise halves in fixed-shape row blocks (`models.exact`)."""
+    def pre(p, x, cos, sin):  # rows [R, ...]: the same layer code on a [1, R] "batch"
+        h = L.rms_norm(x[None], p["attn_norm"], cfg.rms_norm_eps)
+        return tuple(y[0] for y in L.qkv_projection(cfg, p, h, cos[None], sin[None]))
+
+    def post(p, x, attn):
+        x = x[None] + L.attention_output(p, attn[None])
+        h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        return (x + L.swiglu_mlp(p, h))[0]
+
+    q, k, v = X.rowwise(pre)(p, x, cos, sin)
+    attn, extra = attend_fn(q, k, v)
+    return X.rowwise(post)(p, x, attn), extra
+
+
 def _block(cfg, p, x, cos, sin, attend_fn):
     """One pre-norm block; `attend_fn(q, k, v) -> attn` hides where keys come from."""
+    if cfg.attention == "exact":
+        return _exact_block(cfg, p, x, cos, sin, attend_fn)
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = L.qkv_projection(cfg, p, h, cos, sin)
     attn, extra = attend_fn(q, k, v)
@@ -197,7 +216,19 @@ class Decoder(nnx.Module):
         return jnp.einsum("bte,ev->btv", hidden, kernel, preferred_element_type=jnp.float32)
 
     def _final(self, x: jax.Array) -> jax.Array:
-        return L.rms_norm(x, self.final_norm.get_value(), self.cfg.rms_norm_eps)
+        eps = self.cfg.rms_norm_eps
+        if self.cfg.attention == "exact":
+            return X.rowwise(lambda scale, rows: L.rms_norm(rows, scale, eps))(self.final_norm.get_value(), x)
+        return L.rms_norm(x, self.final_norm.get_value(), eps)
+
+    def exact_logits(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """fp32 (logits [..., vocab], log-sum-exp [...]) of hidden [..., hidden], batch-invariant
+        (`models.exact.rowwise`): the one LM head the engine samples from and the learner scores
+        with when `cfg.attention == "exact"` (rollout.zero_mismatch)."""
+        def rows(kernel, h):
+            z = jnp.einsum("te,ev->tv", h, kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+            return z, jax.nn.logsumexp(z, axis=-1)
+        return X.rowwise(rows)(self.lm_head_kernel(), hidden)
 
     # ------------------------------------------------------------------ training / scoring path
     def hidden(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,

@@ -25,13 +25,15 @@ VLLM_INSTALL = ("pip install 'laminar-jax[vllm]' on a GPU node, or 'laminar-jax[
 
 def model_config(cfg: Any, model_dir: str | None):
     from laminar_jax.models.config import DecoderConfig
+    # rollout.zero_mismatch: the learner's batch-invariant decoder (learner.setup does the same)
+    attention = "exact" if getattr(cfg.rollout, "zero_mismatch", False) else cfg.model.attention
     if model_dir:
         import json
         path = os.path.join(model_dir, "config.json")
         with open(path) as f:
             return DecoderConfig.from_hf(json.load(f), source=path, param_dtype=cfg.model.rollout_dtype,
-                                         dtype=cfg.model.rollout_dtype, attention=cfg.model.attention)
-    return DecoderConfig.from_model_section(cfg.model, dtype=cfg.model.rollout_dtype)
+                                         dtype=cfg.model.rollout_dtype, attention=attention)
+    return DecoderConfig.from_model_section(cfg.model, dtype=cfg.model.rollout_dtype).replace(attention=attention)
 
 
 def tokenizer_for(model_dir: str | None):

@@ -20,7 +20,9 @@ MODES = {
     "sync": {"learner.precompile": False},   # the one mode whose learner compiles in its steps
     "one_step": {},
     "stream": {"learner.mini_batches": 2, "manager.max_staleness": 1},
-    "partial": {"manager.max_staleness": 2},
+    # zero-mismatch mode (rollout.zero_mismatch): trajectories cross weight switches here, which
+    # the engine answers by re-prefilling; every fresh token's log-prob must still be exact
+    "partial": {"manager.max_staleness": 2, "rollout.zero_mismatch": "true"},
     "laminar": {"rollout.num_rollouts": 3, "learner.global_batch_groups": 8},
 }
 
@@ -58,6 +60,8 @@ def test_mode_learns_and_keeps_its_staleness_rule(mode, cluster, countdown_model
     assert acc["issued"] == acc["consumed"] + acc["buffered"] + acc["in_flight"] + acc["requeued"] + acc["dropped"]
     if mode == "partial":
         assert any(e == "pull" for e in run.events.kind)
+        assert m["mismatch/jax/num_tokens"].sum() > 0
+        assert m["mismatch/jax/abs_max"].max() == 0.0, m["mismatch/jax/abs_max"].max()
     # learner.precompile: every bucket's train step compiled (or promised) before the first
     # update, so no update compiles one; without it the first update does
     compiles = m["learner/step_compiles"]
