@@ -190,6 +190,7 @@ def test_one_weight_version_per_trajectory_across_its_turns():
     weights, seen = Weights(), []
 
     def offer_new_weights(worker):
+        worker._last_poll = 0.0   # no 20 ms poll throttle: every idle tick may pull (else timing decides)
         if worker.turns.waiting() and weights.version == 0:
             weights.version = 1   # newer weights appear while trajectories wait on their tools
         seen.append((worker.engine.weight_version, worker.turns.waiting(), len(worker.groups)))
@@ -248,3 +249,30 @@ def test_an_environment_that_raises_costs_its_trajectory_only():
         assert worker.stats()["env_env_errors"] == GROUP
         assert sum(e["kind"] == "env_error" for e in worker.drain_events()) == GROUP
         assert threading.active_count() < 50
+
+
+class SleepyEnv(EndlessEnv):
+    """Every step takes 0.3 s; counts how many steps run at once."""
+    lock, running, most = threading.Lock(), 0, 0
+
+    def step(self, text):
+        with SleepyEnv.lock:
+            SleepyEnv.running += 1
+            SleepyEnv.most = max(SleepyEnv.most, SleepyEnv.running)
+        time.sleep(0.3)
+        with SleepyEnv.lock:
+            SleepyEnv.running -= 1
+        return super().step(text)
+
+
+def test_step_timeout_and_workers_change_what_the_loop_does():
+    # env.step_timeout_s: a step slower than it costs its trajectory; a longer limit lets it finish
+    _, trajs, _ = run_worker(ask, env=SleepyEnv, overrides=["env.max_turns=2", "env.step_timeout_s=0.1"])
+    assert all(t.finish_reason == "abort" and t.reward == 0.0 for t in trajs)
+    _, trajs, _ = run_worker(ask, env=SleepyEnv, overrides=["env.max_turns=2", "env.step_timeout_s=5"])
+    assert all(t.finish_reason == "length" and t.reward == 0.5 for t in trajs)
+    # env.workers: the size of the pool the steps run in (4 trajectories wait on their steps at once)
+    for workers, most in ((1, 1), (4, 4)):
+        SleepyEnv.most = 0
+        run_worker(ask, env=SleepyEnv, overrides=["env.max_turns=2", f"env.workers={workers}"])
+        assert (SleepyEnv.most == 1) if most == 1 else (SleepyEnv.most >= 2), (workers, SleepyEnv.most)
