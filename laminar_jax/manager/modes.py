@@ -61,6 +61,11 @@ def _check_version(name: str, value) -> None:
         raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
 
 
+def _check_batch(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModeRules:
     """Everything a scheduling mode changes, as one record; every predicate below reads it.
@@ -203,8 +208,7 @@ def may_submit(num_submitted: int, learner_version: int, *, batch_size: int,
     """
     _check_version("num_submitted", num_submitted)
     _check_version("learner_version", learner_version)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+    _check_batch("batch_size", batch_size)
     if eta is None:
         return True
     _check_version("eta", eta)
@@ -221,8 +225,7 @@ def batch_of(position: int, global_batch: int) -> int:
     Units are the caller's (groups or trajectories), the same for both arguments.
     """
     _check_version("position", position)
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch: expected an int >= 1, got {global_batch!r}")
+    _check_batch("global_batch", global_batch)
     return position // global_batch
 
 
@@ -241,14 +244,12 @@ def fresh_issue_limit(mode: str, *, next_position: int, weight_version: int,
     _check_version("next_position", next_position)
     _check_version("weight_version", weight_version)
     _check_version("learner_version", learner_version)
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch: expected an int >= 1, got {global_batch!r}")
+    _check_batch("global_batch", global_batch)
     r = rules(mode)
     bound = staleness_bound(mode, max_staleness=max_staleness)
     if r.interrupts_on_publish:      # AReaL's admission (may_submit), eta = bound
-        if bound is None:
-            return None
-        return max(0, (learner_version + bound + 1) * global_batch - next_position)
+        return bounded_issue_limit(next_position=next_position, weight_version=learner_version,
+                                   global_batch=global_batch, bound=bound)
     if not r.global_batches:         # trajectory-level (laminar): no issue limit
         return None
     if batch_of(next_position, global_batch) < weight_version:
@@ -315,8 +316,7 @@ def bounded_issue_limit(*, next_position: int, weight_version: int, global_batch
     """
     _check_version("next_position", next_position)
     _check_version("weight_version", weight_version)
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch: expected an int >= 1, got {global_batch!r}")
+    _check_batch("global_batch", global_batch)
     if bound is None:
         return None
     _check_version("bound", bound)
