@@ -169,6 +169,9 @@ class LearnerConfig:
     preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_PREALLOCATE=true in the learner
     actor's environment). With one learner device it is also the learner's Ray GPU share, so a
     vLLM rollout with a fractional GPU can sit on the same GPU (their memory must sum to <= 1).
+    mismatch_versions: past versions whose params the learner keeps (one copy each) so the
+    engines' mismatch metrics also cover tokens up to that many versions stale; 0 = the fresh
+    tokens only (runtime.engine_metrics).
     """
 
     global_batch_groups: int = 8
@@ -183,13 +186,14 @@ class LearnerConfig:
                    "offload_dots"] = "none"
     precompile: bool = True
     memory_fraction: float | None = None
+    mismatch_versions: int = 0
 
     def __post_init__(self):
         _require(self.memory_fraction is None or 0 < self.memory_fraction <= 1, "memory_fraction",
                  self.memory_fraction, "null or a fraction in (0, 1]")
         _at_least(self, 1, "global_batch_groups", "mini_batches", "max_seq_len", "logprob_chunk",
                   "min_bucket")
-        _at_least(self, 0, "micro_batch_size")
+        _at_least(self, 0, "micro_batch_size", "mismatch_versions")
         _require(self.global_batch_groups % self.mini_batches == 0, "mini_batches",
                  self.mini_batches,
                  f"a divisor of global_batch_groups ({self.global_batch_groups})")

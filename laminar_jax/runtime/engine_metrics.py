@@ -5,19 +5,19 @@
                               behaviour log-probs (raw, T=1), on the tokens that engine sampled
     pool/<name>/trajectories  trajectories of the step's batch from that pool
 
-Which learner log-probs: the learner's params when the batch is consumed, i.e. version v, on
-the tokens generated with version v (token staleness 0). On those the two sides run the same
-weights, so the mismatch is numerics only (kernels, dtypes, the relay's rollout_dtype copy);
-tokens of older versions are left out, as their gap also holds the policy's change since. In
-sync mode every token counts; in the asynchronous modes only the fresh share does (its count is
-`num_tokens`, and every value is 0 when there is none). No extra recompute at gen_version is
-needed: the learner holds only its newest params.
+Which learner log-probs: each token's against the learner's params of the version that
+generated it, so the two sides run the same weights and the mismatch is numerics only (kernels,
+dtypes, the relay's rollout_dtype copy). The learner always has its current version v (token
+staleness 0); `learner.mismatch_versions: K` keeps K past versions' params (a copy each), so
+tokens up to K versions stale count too. Other tokens are left out, as their gap would also hold
+the policy's change since. In sync mode every token counts; otherwise the measured share's count
+is `num_tokens` (every value is 0 when there is none).
 
 Keys are fixed per run: one set for every engine kind and pool of `rollout.pools`.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -33,14 +33,29 @@ def row_labels(cfg: Any, rollout_id: str, table: dict | None = None) -> dict[str
     return {"pool": pool, "engine": engine}
 
 
-def step_metrics(cfg: Any, batch: dict, learner_logp: np.ndarray, rollout_ids: Sequence[str]) -> dict[str, float]:
-    """The module docstring's metrics for one assembled batch (rows in `rollout_ids` order)."""
+def at_token_versions(staleness: np.ndarray, logp_by_staleness: Mapping[int, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probs, measured): each token's learner log-prob at its own version, taken from
+    `logp_by_staleness[s]` (the learner's log-probs at version v - s, shape of `staleness`)
+    where the token's staleness is s; `measured` is False where no such version is held."""
+    logp = np.zeros(staleness.shape, np.float32)
+    measured = np.zeros(staleness.shape, bool)
+    for s, lp in logp_by_staleness.items():
+        at_s = staleness == s
+        logp = np.where(at_s, np.asarray(lp, np.float32), logp)
+        measured |= at_s
+    return logp, measured
+
+
+def step_metrics(cfg: Any, batch: dict, learner_logp: np.ndarray, rollout_ids: Sequence[str],
+                 measured: np.ndarray | None = None) -> dict[str, float]:
+    """The module docstring's metrics for one assembled batch (rows in `rollout_ids` order).
+    `measured`: the tokens whose `learner_logp` is at their own version (default: staleness 0)."""
     from laminar_jax.rl.mismatch import mismatch_metrics
 
     table = labels(cfg)
     engines = np.asarray([table.get(r, (None, None))[1] for r in rollout_ids], object)
     pools = [table.get(r, (None, None))[0] for r in rollout_ids]
-    fresh = (batch["response_mask"] > 0) & (batch["staleness"] == 0)
+    fresh = (batch["response_mask"] > 0) & (batch["staleness"] == 0 if measured is None else measured)
     out: dict[str, float] = {}
     for kind in sorted({e for _, e in table.values()}):
         mask = fresh & (engines == kind)[:, None]

@@ -80,6 +80,7 @@ class Learner:
         self.publisher = Publisher(self.store, dtype=cfg.model.rollout_dtype, events=self._event)
         self._last_end = time.time()
         self.rejected_too_long = 0
+        self._past_params: dict[int, Any] = {}   # version -> params (learner.mismatch_versions)
         if cfg.learner.precompile:  # every bucket's step compiles while the first rollouts generate
             k = cfg.learner.mini_batches if modes.streams_minibatches(self.mode) else 1
             threading.Thread(target=rl_step.precompile_all, daemon=True, name="learner-precompile",
@@ -162,8 +163,11 @@ class Learner:
         # the learner's log-probs at this version: the engines' mismatch metrics, and prox_logp
         # when the anchor is this version's weights (packing carries it into the rows)
         learner_logp = self.fns.logprobs(self.state.params, batch)
-        metrics.update(engine_metrics.step_metrics(self.cfg, batch, learner_logp,
-                                                   [t.rollout_id for g in groups for t in g]))
+        mismatch_logp, measured = engine_metrics.at_token_versions(batch["staleness"], {
+            0: learner_logp, **{self.version - v: self.fns.logprobs(p, batch) for v, p in self._past_params.items()}})
+        metrics.update(engine_metrics.step_metrics(self.cfg, batch, mismatch_logp,
+                                                   [t.rollout_id for g in groups for t in g], measured))
+        self._keep_params_for_mismatch()
         if self.fns.needs_prox and not self.cfg.loss.needs_ewma:
             batch["prox_logp"] = learner_logp
         mbs = B.layout(batch, mini_batches, pack_rows=lc.pack, max_seq_len=lc.max_seq_len,
@@ -196,6 +200,14 @@ class Learner:
         return metrics, [dict(t.log_row(self.version), learner_version=self.version,
                               trajectory_id=f"{t.group_id}/{t.sample_index}",
                               **engine_metrics.row_labels(self.cfg, t.rollout_id, table)) for g in groups for t in g]
+
+    def _keep_params_for_mismatch(self) -> None:
+        """learner.mismatch_versions: a copy of this version's params (the update donates them)."""
+        keep = self.cfg.learner.mismatch_versions
+        if keep:
+            self._past_params[self.version] = self._jax.tree.map(lambda x: x.copy(), self.state.params)
+            for v in [v for v in self._past_params if v <= self.version - keep]:
+                del self._past_params[v]
 
     def step(self) -> dict:
         """One iteration; returns {"metrics", "trajectories", "events", "version"}."""
