@@ -32,6 +32,32 @@ def test_mismatch_is_per_engine_on_fresh_tokens_only():
     assert m["pool/v/trajectories"] == 1 and m["pool/j/trajectories"] == 2
 
 
+def test_stale_tokens_are_measured_at_their_own_version_when_it_is_kept():
+    """learner.mismatch_versions: tokens s versions stale take the learner's log-probs of
+    version v - s; tokens staler than the versions held are left out."""
+    cfg = _cfg()
+    mask = np.array([[0, 1, 1, 1], [0, 1, 1, 1]], np.float32)
+    staleness = np.array([[0, 0, 1, 1], [0, 2, 2, 3]], np.float32)   # a row crossing a switch
+    behaviour = np.zeros((2, 4), np.float32)
+    at = {0: np.full((2, 4), 0.1, np.float32), 1: np.full((2, 4), -0.2, np.float32),
+          2: np.full((2, 4), 0.3, np.float32)}
+    logp, measured = engine_metrics.at_token_versions(staleness, at)
+    np.testing.assert_array_equal(measured, staleness <= 2)
+    np.testing.assert_allclose(logp[0], [0.1, 0.1, -0.2, -0.2])
+    np.testing.assert_allclose(logp[1, :3], [0.1, 0.3, 0.3])
+    batch = {"response_mask": mask, "staleness": staleness, "behaviour_logp": behaviour}
+    ids = ["rollout-1", "rollout-2"]
+    m = engine_metrics.step_metrics(cfg, batch, logp, ids, measured)
+    d = np.array([0.1, -0.2, -0.2, 0.3, 0.3])   # 5 tokens; the staleness-3 one is not held
+    assert m["mismatch/jax/num_tokens"] == d.size
+    np.testing.assert_allclose(m["mismatch/jax/abs_mean"], np.abs(d).mean(), rtol=1e-6)
+    # only the current version held (mismatch_versions 0): the fresh tokens alone
+    fresh = engine_metrics.step_metrics(cfg, batch, at[0], ids)
+    assert fresh["mismatch/jax/num_tokens"] == 1
+    with __import__("pytest").raises(ValueError, match="mismatch_versions"):
+        _cfg("learner.mismatch_versions=-1")
+
+
 def test_short_form_is_one_pool_and_pool_fields_default_to_it():
     short = load_config("configs/default.yaml", ["rollout.num_rollouts=2", "rollout.engine=vllm"])
     assert [(rid, p.name, p.engine) for rid, p in short.rollout.assignments()] == [
