@@ -51,7 +51,9 @@ rollout-bound on a 2-core CPU: the CPU learner (about 2 s per 128-trajectory upd
 it shares the cores with the rollouts) is the bottleneck, so repack's extra trajectories mostly
 wait for it; at 24 the rollouts are (they never idle, the learner idles over half the time). The
 emulated engine charges prefill too (the profile's 2e4 tokens/s, slowed like decode), so a move's
-re-prefill costs what it would. Writes experiments/results/<--name>.{json,txt} and prints a table.
+re-prefill costs what it would. Writes experiments/results/<--name>.{json,txt} and prints a table;
+with --figures (the default) also the standard panels of every mode side by side, one PNG per
+panel (`laminar_jax.plot`), under experiments/results/<--name>_figures/<engine>/.
 """
 from __future__ import annotations
 
@@ -262,6 +264,9 @@ def main(argv=None) -> dict:
     p.add_argument("--name", default="compare_modes", help="results file stem")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments/results"))
     p.add_argument("--work", default="/tmp/laminar-compare-modes")
+    p.add_argument("--figures", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the standard panels (laminar plot) of each engine's modes side by side, "
+                        "from their last repeat, to <out>/<name>_figures/<engine>/<panel>.png")
     args = p.parse_args(argv)
 
     import ray
@@ -315,6 +320,15 @@ def main(argv=None) -> dict:
         ray.shutdown()
     text = table(runs)
     print(text)
+    if args.figures:
+        from laminar_jax.plot import plot_runs
+        for engine, by_mode in runs.items():
+            # one column per mode, in the order run: reward against wall-clock, throughput over
+            # time, staleness histogram (Fig 10 style), KV use per rollout (Fig 9 style), repack
+            # events on the timeline, learner and rollout idle fractions
+            out = os.path.join(args.out, f"{args.name}_figures", engine)
+            for png in plot_runs([rs[-1]["run_dir"] for rs in by_mode.values()], out):
+                print(png)
     with open(os.path.join(args.out, f"{args.name}.txt"), "w") as f:
         f.write(" ".join(["python experiments/compare_modes.py", *(argv if argv is not None else sys.argv[1:])]) + "\n")
         f.write(text + "\n")
