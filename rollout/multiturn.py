@@ -91,8 +91,8 @@ class MultiTurn:
         self.allow_mixed, self.clock = allow_mixed, clock
         self.episodes: dict[str, Episode] = {}
         self.pool = ThreadPoolExecutor(max_workers=env_cfg.workers, thread_name_prefix=f"env-{rollout_id}")
-        self.counters = dict(turns=0, tool_calls=0, tool_errors=0, parse_errors=0, env_errors=0, env_timeouts=0, env_s=0.0,
-                             limit_turns=0, limit_tool_calls=0, limit_tokens=0)
+        self.counters = dict(turns=0, tool_calls=0, tool_errors=0, parse_errors=0, env_errors=0, env_timeouts=0,
+                             env_s=0.0, limit_turns=0, limit_tool_calls=0, limit_tokens=0)
         self.errors: list[dict] = []   # env failures for the worker's event log
 
     # ------------------------------------------------------------------ start

@@ -24,7 +24,8 @@ TOOL_METRIC_KEYS = ("tool/calls_per_traj", "tool/correct_call_rate", "tool/error
                     "tool/tool_token_frac", "tool/env_errors", "tool/env_timeouts", "tool/env_s_per_traj")
 
 
-def tool_step_metrics(turn_stats: Sequence[Mapping[str, float]], response_tokens: Sequence[int] = ()) -> dict[str, float]:
+def tool_step_metrics(turn_stats: Sequence[Mapping[str, float]],
+                      response_tokens: Sequence[int] = ()) -> dict[str, float]:
     """The step's tool metrics (module docstring); `response_tokens`: each trajectory's response
     length (for tool/tool_token_frac; 0 when not given)."""
     n = max(len(turn_stats), 1)
