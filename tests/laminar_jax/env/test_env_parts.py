@@ -128,6 +128,10 @@ def test_lookup_task_needs_the_tool_and_its_demos_match_the_rl_format():
     calls = np.mean([tok.decode(e.response_tokens).startswith("<tool_call>") for e in noisy])
     assert 0.35 < calls < 0.65
     assert json.loads(call_text(5)[len("<tool_call>"):-len("</tool_call>")])["arguments"] == {"key": 5}
+    # the task's own score of a whole completion: the text after the tool result, or the guess
+    full = call_text() + "</s>" + chat.char_tool_text("7") + "7"
+    assert LookupTask.score(full, {"value": 7}) == 1.0 and LookupTask.score(full + "7", {"value": 7}) == 0.0
+    assert LookupTask.score(" 7\n", {"value": 7}) == 1.0 and LookupTask.score("3", {"value": 7}) == 0.0
 
 
 
