@@ -91,8 +91,8 @@ class MultiTurn:
         self.allow_mixed, self.clock = allow_mixed, clock
         self.episodes: dict[str, Episode] = {}
         self.pool = ThreadPoolExecutor(max_workers=env_cfg.workers, thread_name_prefix=f"env-{rollout_id}")
-        self.counters = dict(turns=0, tool_calls=0, tool_errors=0, parse_errors=0, env_errors=0, env_s=0.0,
-                             limit_turns=0, limit_tool_calls=0, limit_tokens=0)
+        self.counters = dict(turns=0, tool_calls=0, tool_errors=0, parse_errors=0, env_errors=0, env_timeouts=0,
+                             env_s=0.0, limit_turns=0, limit_tool_calls=0, limit_tokens=0)
         self.errors: list[dict] = []   # env failures for the worker's event log
 
     # ------------------------------------------------------------------ start
@@ -164,7 +164,7 @@ class MultiTurn:
             if not fut.done():
                 if now - ep.pending_since > self.cfg.step_timeout_s:
                     done.append(self._fail(ep, f"env.step did not return within env.step_timeout_s="
-                                               f"{self.cfg.step_timeout_s:g} s"))
+                                               f"{self.cfg.step_timeout_s:g} s", timeout=True))
                 continue
             ep.pending = None
             ep.env_s += now - ep.pending_since
@@ -213,7 +213,7 @@ class MultiTurn:
             return True
         return False
 
-    def _finish(self, ep: Episode, finish_reason: str, error: str | None = None) -> Finished:
+    def _finish(self, ep: Episode, finish_reason: str, error: str | None = None, timeout: bool = False) -> Finished:
         del self.episodes[ep.rid]
         self.counters["env_s"] += ep.env_s
         gid, index = ep.rid.rpartition("/")[0], int(ep.rid.rpartition("/")[2])
@@ -225,16 +225,18 @@ class MultiTurn:
                                     token_versions=np.asarray(ep.versions, np.int64),
                                     finish_reason=finish_reason, loss_mask=mask)
         stats = {"turns": ep.turns, **{k: ep.counts[k] for k in COUNT_KEYS}, "env_s": ep.env_s,
-                 "tool_tokens": float(len(ep.mask) - sum(ep.mask)), "env_error": float(error is not None)}
+                 "tool_tokens": float(len(ep.mask) - sum(ep.mask)), "env_error": float(error is not None),
+                 "env_timeout": float(timeout)}
         now = self.clock()
         return Finished(partial, 0.0 if error else ep.reward, stats, (ep.first_token or now, now), error)
 
-    def _fail(self, ep: Episode, error: str) -> Finished:
+    def _fail(self, ep: Episode, error: str, timeout: bool = False) -> Finished:
         ep.pending = None
         self.counters["env_errors"] += 1
+        self.counters["env_timeouts"] += int(timeout)
         self.errors.append({"group_id": ep.rid.rpartition("/")[0], "sample_index": int(ep.rid.rpartition("/")[2]),
                             "error": error[:300]})
-        return self._finish(ep, "abort", error)
+        return self._finish(ep, "abort", error, timeout)
 
     def truncate(self, rid: str) -> Finished:
         """End a trajectory the engine refused to continue (its context is full): "length"."""

@@ -27,12 +27,17 @@ from laminar_jax.data.records import PromptRow
 
 @dataclass(frozen=True, eq=False)
 class SftExample:
-    """A prompt and its correct response, as text and as tokens (response ends with EOS)."""
+    """A prompt and its correct response, as text and as tokens (response ends with EOS).
+
+    `response_mask` (None: every response token is trained): 1 on the tokens the policy writes,
+    0 on the environment's (a multi-turn demonstration's tool results: context, not targets).
+    """
 
     prompt: str
     response: str
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
+    response_mask: np.ndarray | None = None
 
 
 class SyntheticTask:

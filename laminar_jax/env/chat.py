@@ -7,7 +7,10 @@ render(messages + [assistant, tool], generation prompt) minus render(messages + 
 The policy's own turn is never re-rendered (its sampled tokens stay as they were).
 
 The built-in char tokenizer's template has no roles (it concatenates contents), so there the
-fixed template `CHAR_TOOL_TEMPLATE` wraps a tool result: "\\nresult: <observation>\\n"; the
+fixed template `CHAR_TOOL_TEMPLATE` wraps a tool result: "\\nresult: <observation>", and the
+policy's next turn follows the observation's last character directly (no newline after it: an
+answer that copies a short result is then "repeat the current token", which a 2-layer model
+learns in a short warm-up; copying a token from one position back took it far longer). The
 synthetic lookup task's demonstrations use the same function, so SFT and RL see one format.
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Sequence
 
 from laminar_jax.data.char_tokenizer import CHAT_TEMPLATE as CHAR_CHAT_TEMPLATE
 
-CHAR_TOOL_TEMPLATE = "\nresult: {observation}\n"
+CHAR_TOOL_TEMPLATE = "\nresult: {observation}"
 
 
 def has_role_template(tokenizer) -> bool:

@@ -3,8 +3,8 @@
 Prompt "37?" asks for the digit stored under key 37. Values are drawn per row independently of
 the key (two rows with one key hold different values), so nothing in the prompt or the training
 data predicts them: the policy has to call
-    <tool_call>{"name":"lookup","arguments":{}}</tool_call>
-end its turn, read the result ("\\nresult: 5\\n", `chat.CHAR_TOOL_TEMPLATE`) and answer "5".
+    <tool_call>{"name":"lookup"}</tool_call>
+end its turn, read the result ("\\nresult: 5", `chat.CHAR_TOOL_TEMPLATE`) and answer "5".
 Reward 1 for the right value, else 0; a guess without the tool is right 1 time in 10. (Values
 are one digit: the 2-layer tiny model copies one token from a tool result after a short
 warm-up, while copying two took it far longer than a CPU test can wait; for the same reason the
@@ -36,8 +36,8 @@ V_LO, V_HI = 0, 9  # values: one digit
 def call_text(key: int | None = None) -> str:
     """The call the demonstrations make (no key: the tool serves the row's key) or, with a key,
     the call naming it."""
-    args = {} if key is None else {"key": int(key)}
-    return "<tool_call>" + json.dumps({"name": "lookup", "arguments": args}, separators=(",", ":")) + "</tool_call>"
+    call = {"name": "lookup"} if key is None else {"name": "lookup", "arguments": {"key": int(key)}}
+    return "<tool_call>" + json.dumps(call, separators=(",", ":")) + "</tool_call>"
 
 
 class LookupTask(_tasks.SyntheticTask):
@@ -52,19 +52,48 @@ class LookupTask(_tasks.SyntheticTask):
     def _prompt(self, params):
         return f"{params['key']}?"
 
+    def segments(self, params) -> list[tuple[str, bool]]:
+        """The whole multi-turn response as (text, written by the policy): the call and its end
+        of turn, the tool result (the environment's: not a target), the answer copying it."""
+        value = str(params["value"])
+        return [(call_text() + EOS_TEXT, True), (char_tool_text(value), False), (value, True)]
+
     def reference(self, params):
-        """The whole multi-turn response as text: call, end of turn, tool result, answer."""
-        return call_text() + EOS_TEXT + char_tool_text(str(params["value"])) + str(params["value"])
+        return "".join(text for text, _ in self.segments(params))
+
+    def noisy_segments(self, params, rng, noise) -> list[tuple[str, bool]]:
+        if rng.random() < noise:
+            return [(str(int(rng.integers(V_LO, V_HI + 1))), True)]  # a guess, no tool
+        return self.segments(params)
 
     def noisy_reference(self, params, rng, noise):
-        if rng.random() < noise:
-            return str(int(rng.integers(V_LO, V_HI + 1)))  # a guess, no tool
-        return self.reference(params)
+        return "".join(text for text, _ in self.noisy_segments(params, rng, noise))
+
+    def sft_examples(self, n: int, seed: int = 0, noise: float = 0.0) -> list[_tasks.SftExample]:
+        """As `SyntheticTask.sft_examples` (the same draws), with a `response_mask` that is 0 on
+        the tool result: the warm-up learns to call and to copy, never to predict the tool's
+        output (the SFT twin of the rollout's loss mask 0 on tool tokens)."""
+        if not 0.0 <= noise < 1.0:
+            raise ValueError(f"task {self.name}: demonstration noise must be in [0, 1), got {noise}")
+        rng, noise_rng = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 3])
+        tok, out = self.tokenizer, []
+        for params in self._draw(rng, n):
+            prompt = self._prompt(params)
+            parts = self.noisy_segments(params, noise_rng, noise) if noise else self.segments(params)
+            ids = [tok.encode(text) for text, _ in parts] + [[tok.eos_token_id]]
+            mask = [float(trained) for (_, trained), t in zip(parts + [("", True)], ids) for _ in t]
+            out.append(_tasks.SftExample(prompt, "".join(t for t, _ in parts), np.asarray(tok.encode(prompt), np.int64),
+                                         np.asarray([i for t in ids for i in t], np.int64),
+                                         np.asarray(mask, np.float32)))
+        return out
 
     @staticmethod
     def score(completion: str, row: Mapping) -> float:
-        """1.0 when the text after the last tool result is the row's value."""
-        return float(completion.rsplit("result:", 1)[-1].split("\n", 1)[-1].strip() == str(row["value"]))
+        """1.0 when the text after the tool result (or the whole text, with no call) is the row's
+        value."""
+        value, tool = str(row["value"]), char_tool_text(str(row["value"]))
+        return float(completion.rsplit(tool, 1)[-1].strip() == value if tool in completion
+                     else completion.strip() == value)
 
 
 _tasks.TASKS.setdefault(LookupTask.name, LookupTask)

@@ -41,7 +41,8 @@ def pack_examples(examples: list, order: np.ndarray, start: int, batch_size: int
     """Greedy packing of ``examples[order[start:]]`` into ``[batch_size, seq_len]`` rows.
 
     Returns ``(batch, next_start)``; the batch has ``tokens, positions, segment_ids`` (0 =
-    padding) and ``loss_mask`` (1 on response tokens), plus the scalar ``num_loss_tokens``.
+    padding) and ``loss_mask`` (1 on response tokens, or the example's ``response_mask``: a
+    multi-turn demonstration's tool results are 0), plus the scalar ``num_loss_tokens``.
     """
     out = {k: np.zeros((batch_size, seq_len), np.int32)
            for k in ("tokens", "positions", "segment_ids", "loss_mask")}
@@ -60,7 +61,7 @@ def pack_examples(examples: list, order: np.ndarray, start: int, batch_size: int
             out["tokens"][row, at:at + n] = np.concatenate([p, r])
             out["positions"][row, at:at + n] = np.arange(n)
             out["segment_ids"][row, at:at + n] = seg
-            out["loss_mask"][row, at + len(p):at + n] = 1
+            out["loss_mask"][row, at + len(p):at + n] = 1 if ex.response_mask is None else ex.response_mask
             at, seg, i = at + n, seg + 1, i + 1
     batch: dict[str, Any] = dict(out)
     batch["num_loss_tokens"] = np.float32(out["loss_mask"].sum())
@@ -79,6 +80,9 @@ def _examples(cfg: Any, dcfg: DecoderConfig):
         from laminar_jax.models.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(hf_path)
         eos = tokenizer.eos_token_id
+        if any(ex.response_mask is not None for ex in examples):  # tool turns in the char format
+            raise ValueError(f"sft: task {name!r} has multi-turn demonstrations written for the built-in char "
+                             f"tokenizer; they cannot be re-encoded for the tokenizer of model.hf_path={hf_path}")
         examples = [dataclasses.replace(
             ex, prompt_tokens=np.asarray(tokenizer.encode(ex.prompt, add_special_tokens=False)),
             response_tokens=np.asarray(tokenizer.encode(ex.response, add_special_tokens=False)

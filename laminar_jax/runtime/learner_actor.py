@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from laminar_jax.env.metrics import tool_step_metrics
 from laminar_jax.manager import modes
 from laminar_jax.metrics import exact_rate
 from laminar_jax.runtime import batch as B
@@ -239,6 +240,8 @@ class Learner:
         tokens = sum(t.num_tokens for g in groups_all for t in g)
         rewards = [t.reward for g in groups_all for t in g]
         metrics.update(B.staleness_stats(groups_all, v))
+        metrics.update(tool_step_metrics([t.turn_stats for g in groups_all for t in g],   # fixed keys, 0 single-turn
+                                         [t.num_tokens for g in groups_all for t in g]))
         metrics.update(version=self.version, reward_mean=float(np.mean(rewards)), exact_rate=exact_rate(rewards),
                        reward_std=float(np.std(rewards)), response_len_mean=tokens / len(rewards),
                        consumed_trajectories=len(rewards), consumed_tokens=tokens,

@@ -209,10 +209,16 @@ class LengthDist:
 class ToolSpec:
     """Multi-turn tool calls: up to max_calls per trajectory, each after a generated segment.
 
-    The number of calls is uniform on [0, max_calls]; the response is cut into calls+1 segments
-    of random share. Each call waits an environment latency (lognormal, latency_median_s,
-    latency_sigma, clipped at latency_max_s) with the trajectory's KV cache freed, then appends
-    `output_tokens` of tool output, which are re-prefilled with the whole context.
+    Calls per trajectory: uniform on [0, max_calls], or `calls_weights` (P(k calls) for k = 0 ..
+    max_calls, normalised). The response is cut into calls+1 segments of random share. Each call
+    waits an environment latency with the trajectory's KV cache freed, then appends
+    `output_tokens` of tool output, which are re-prefilled with the whole context. Latency
+    (`latency_kind`): "lognormal" (median latency_median_s, log-sd latency_sigma), "exponential"
+    (median latency_median_s), "fixed" (latency_median_s); clipped at latency_max_s.
+    Failed calls: with probability failure_prob a call hangs and is killed at timeout_s (its
+    wait is timeout_s; its error message is output_tokens long as well).
+    Sandbox concurrency: at most sandbox_slots calls run at once in the whole cluster (0 = no
+    limit); the others queue first come, first served, and their wait adds to the latency.
     """
 
     max_calls: int = 0
@@ -220,11 +226,24 @@ class ToolSpec:
     latency_sigma: float = 1.0
     latency_max_s: float = 600.0
     output_tokens: int = 200
+    latency_kind: Literal["lognormal", "exponential", "fixed"] = "lognormal"
+    calls_weights: tuple[float, ...] = ()
+    failure_prob: float = 0.0
+    timeout_s: float = 30.0
+    sandbox_slots: int = 0
 
     def __post_init__(self):
-        _ints(self, 0, "max_calls", "output_tokens")
-        _pos(self, "latency_median_s", "latency_max_s")
+        _ints(self, 0, "max_calls", "output_tokens", "sandbox_slots")
+        _pos(self, "latency_median_s", "latency_max_s", "timeout_s")
         _nonneg(self, "latency_sigma")
+        _require(self.latency_kind in ("lognormal", "exponential", "fixed"), "latency_kind", self.latency_kind,
+                 "lognormal, exponential or fixed")
+        _require(0.0 <= self.failure_prob <= 1.0, "failure_prob", self.failure_prob, "in [0, 1]")
+        _require(not self.calls_weights or (len(self.calls_weights) == self.max_calls + 1
+                                            and all(w >= 0 for w in self.calls_weights)
+                                            and sum(self.calls_weights) > 0), "calls_weights", self.calls_weights,
+                 f"max_calls + 1 = {self.max_calls + 1} non-negative weights (P(0 calls) .. P(max_calls)) "
+                 f"with a positive sum, or empty (uniform)")
 
 
 @dataclass(frozen=True)

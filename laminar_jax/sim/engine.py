@@ -68,6 +68,10 @@ class Sim:
         self.ts = TrajStore()
         self._next_group = 0
         self.requeued: deque = deque()      # restarted trajectories, served before new groups
+        # tool calls: sandbox slots in use and calls queued for one (ToolSpec.sandbox_slots)
+        self._sandbox_slots = cfg.workload.tools.sandbox_slots
+        self._sandbox_busy = 0
+        self._sandbox_queue: deque = deque()   # (trajectory, epoch, latency, queued at)
         self.group_left: list[int] = []
 
         # rollouts, placed tp-aligned on machines
@@ -271,11 +275,26 @@ class Sim:
         ts.seg_end[i] = t[0][k + 1] if k + 1 < len(t[0]) else ts.resp[i]
         ts.obs_done[i] += t[2]
         r.sleeping.add(i)
-        self.push(self.now + t[1][k], self._tool_return, (i, ts.epoch[i]))
+        self._call_tool(i, ts.epoch[i], t[1][k])
+
+    def _call_tool(self, i: int, epoch: int, latency: float) -> None:
+        """Run a call now, or queue it while every sandbox slot is busy."""
+        if self._sandbox_slots and self._sandbox_busy >= self._sandbox_slots:
+            self._sandbox_queue.append((i, epoch, latency, self.now))
+            return
+        self._sandbox_busy += 1
+        self.push(self.now + latency, self._tool_return, (i, epoch))
 
     def _tool_return(self, arg) -> None:
         i, epoch = arg
         ts = self.ts
+        self._sandbox_busy -= 1   # the slot frees whatever became of the trajectory meanwhile
+        while self._sandbox_queue and (not self._sandbox_slots or self._sandbox_busy < self._sandbox_slots):
+            j, e, latency, queued = self._sandbox_queue.popleft()
+            if ts.epoch[j] != e or ts.where[j] < 0:
+                continue   # restarted or gone while it queued: the call never runs
+            ts.tool_wait[j] += self.now - queued
+            self._call_tool(j, e, latency)
         if ts.epoch[i] != epoch or ts.where[i] < 0:
             return
         r = self.rollouts[ts.where[i]]

@@ -193,15 +193,21 @@ def sample_lengths(dist: LengthDist, rng: np.random.Generator, num_groups: int,
 
 
 def sample_tools(tools: ToolSpec, rng: np.random.Generator, response: np.ndarray):
-    """Tool calls per sequence: (segment ends, latencies, output tokens) or None when no calls.
+    """Tool calls per sequence: (segment ends, latencies, output tokens, failed) or None when no
+    calls (ToolSpec's docstring: calls per trajectory, latency kind, failures).
 
     Segment ends are cumulative generated-token counts at which a call happens (the last
-    segment ends at the response length, with no call after it).
+    segment ends at the response length, with no call after it); failed[k] marks a call that
+    hung until tools.timeout_s (its latency).
     """
     n = response.size
     if tools.max_calls == 0:
         return [None] * n
-    calls = rng.integers(0, tools.max_calls + 1, size=n)
+    if tools.calls_weights:
+        w = np.asarray(tools.calls_weights, np.float64)
+        calls = rng.choice(tools.max_calls + 1, size=n, p=w / w.sum())
+    else:
+        calls = rng.integers(0, tools.max_calls + 1, size=n)
     out = []
     for i in range(n):
         c = int(min(calls[i], max(0, response[i] - 1)))
@@ -209,8 +215,14 @@ def sample_tools(tools: ToolSpec, rng: np.random.Generator, response: np.ndarray
             out.append(None)
             continue
         cuts = np.sort(rng.choice(int(response[i]) - 1, size=c, replace=False) + 1)
-        lat = np.minimum(tools.latency_median_s * np.exp(tools.latency_sigma
-                                                          * rng.standard_normal(c)),
-                         tools.latency_max_s)
-        out.append((cuts.tolist(), lat.tolist(), tools.output_tokens))
+        if tools.latency_kind == "lognormal":
+            lat = tools.latency_median_s * np.exp(tools.latency_sigma * rng.standard_normal(c))
+        elif tools.latency_kind == "exponential":   # median m: scale m / ln 2
+            lat = rng.exponential(tools.latency_median_s / np.log(2.0), size=c)
+        else:
+            lat = np.full(c, tools.latency_median_s)
+        lat = np.minimum(lat, tools.latency_max_s)
+        failed = rng.random(c) < tools.failure_prob if tools.failure_prob > 0 else np.zeros(c, bool)
+        lat = np.where(failed, tools.timeout_s, lat)
+        out.append((cuts.tolist(), lat.tolist(), tools.output_tokens, failed.tolist()))
     return out

@@ -149,6 +149,8 @@ def trajectory_columns(sim) -> dict[str, np.ndarray]:
         "prompt_len": col(ts.prompt, np.int64),
         "response_len": col(ts.resp, np.int64) + calls * out_tokens,
         "tool_calls": calls,
+        "tool_failed": np.fromiter((0 if t is None else sum(t[3]) for t in tools), np.int64, count=len(tools)),
+        "tool_wait_s": col(ts.tool_wait, np.float64),
         "gen_version": col(ts.gen_version, np.int64),
         "learner_version": versions,
         "staleness": staleness_of(sim, ids, versions),

@@ -32,7 +32,8 @@ class TrajStore:
         self.group: list[int] = []
         self.prompt: list[int] = []
         self.resp: list[int] = []           # generated tokens of the whole response
-        self.tools: list = []               # None or (cuts, latencies, output_tokens)
+        self.tools: list = []               # None or (cuts, latencies, output_tokens, failed)
+        self.tool_wait: list[float] = []    # seconds its tool calls queued for a sandbox slot
         self.seg: list[int] = []            # index of the current segment
         self.seg_end: list[int] = []        # generated count at the end of the current segment
         self.gen_done: list[int] = []       # generated count at the last (re)admission
@@ -70,6 +71,7 @@ class TrajStore:
         for lst in (self.where, self.gen_version, self.first_rollout):
             lst.extend(minus)
         self.start_t.extend([-1.0] * m)
+        self.tool_wait.extend([0.0] * m)
         self.finish_t.extend([-1.0] * m)
         self.group_members.append(range(first, first + m))
         return g

@@ -95,7 +95,7 @@ class ScriptedEngine:
 
 def lookup_policy(context):
     """Call the tool with the prompt's key, then answer the value the tool returned."""
-    got = re.findall(r"result: (\S+)\n", context)
+    got = re.findall(r"result: (\d+)", context)
     if got:
         return got[-1]
     return call_text(int(context.split("?")[0]))
@@ -148,9 +148,9 @@ def test_tool_output_enters_the_trajectory_with_loss_mask_zero_and_the_answer_is
     for t in trajs:
         key, value = int(TOK.decode(t.prompt_tokens)[:-1]), {37: 52, 81: 14, 23: 99, 45: 10}
         text = TOK.decode(t.response_tokens, skip_special_tokens=False)
-        assert text == call_text(key) + "</s>" + f"\nresult: {value[key]}\n" + f"{value[key]}</s>"
+        assert text == call_text(key) + "</s>" + f"\nresult: {value[key]}" + f"{value[key]}</s>"
         obs = np.flatnonzero(t.loss_mask == 0)
-        assert TOK.decode(t.response_tokens[obs]) == f"\nresult: {value[key]}\n"
+        assert TOK.decode(t.response_tokens[obs]) == f"\nresult: {value[key]}"
         assert obs.tolist() == list(range(obs[0], obs[0] + len(obs))), "one contiguous tool turn"
         assert (t.behaviour_logp[obs] == 0).all() and (t.behaviour_logp[t.loss_mask == 1] == -0.5).all()
         assert t.reward == 1.0 and t.finish_reason == "stop"
@@ -267,8 +267,10 @@ class SleepyEnv(EndlessEnv):
 
 def test_step_timeout_and_workers_change_what_the_loop_does():
     # env.step_timeout_s: a step slower than it costs its trajectory; a longer limit lets it finish
-    _, trajs, _ = run_worker(ask, env=SleepyEnv, overrides=["env.max_turns=2", "env.step_timeout_s=0.1"])
+    worker, trajs, _ = run_worker(ask, env=SleepyEnv, overrides=["env.max_turns=2", "env.step_timeout_s=0.1"])
     assert all(t.finish_reason == "abort" and t.reward == 0.0 for t in trajs)
+    assert all(t.turn_stats["env_timeout"] == 1.0 and t.turn_stats["env_error"] == 1.0 for t in trajs)
+    assert worker.stats()["env_env_timeouts"] == worker.stats()["env_env_errors"] >= len(trajs)
     _, trajs, _ = run_worker(ask, env=SleepyEnv, overrides=["env.max_turns=2", "env.step_timeout_s=5"])
     assert all(t.finish_reason == "length" and t.reward == 0.5 for t in trajs)
     # env.workers: the size of the pool the steps run in (4 trajectories wait on their steps at once)

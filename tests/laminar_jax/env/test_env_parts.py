@@ -123,9 +123,38 @@ def test_lookup_task_needs_the_tool_and_its_demos_match_the_rl_format():
     key = int(demo.prompt[:-1])
     assert tok.decode(resp[:cut]) == call_text() and key
     obs_tokens = chat.tool_turn_tokens(tok, [], call_text(), "52")
-    assert tok.decode(obs_tokens) == "\nresult: 52\n" and resp[cut:cut + 9] == obs_tokens[:9]
+    assert tok.decode(obs_tokens) == "\nresult: 52" and resp[cut:cut + 9] == obs_tokens[:9]
     noisy = task.sft_examples(200, noise=0.5)
     calls = np.mean([tok.decode(e.response_tokens).startswith("<tool_call>") for e in noisy])
     assert 0.35 < calls < 0.65
     assert json.loads(call_text(5)[len("<tool_call>"):-len("</tool_call>")])["arguments"] == {"key": 5}
+    # the task's own score of a whole completion: the text after the tool result, or the guess
+    full = call_text() + "</s>" + chat.char_tool_text("7") + "7"
+    assert LookupTask.score(full, {"value": 7}) == 1.0 and LookupTask.score(full + "7", {"value": 7}) == 0.0
+    assert LookupTask.score(" 7\n", {"value": 7}) == 1.0 and LookupTask.score("3", {"value": 7}) == 0.0
 
+
+
+def test_lookup_demos_mask_the_tool_result_in_the_warm_up_loss():
+    """The warm-up trains the call and the answer that copies the result, never the result itself
+    (the SFT twin of the rollout's loss mask 0 on tool tokens); the draws are the base task's."""
+    from laminar_jax.data.tasks import SyntheticTask
+    from laminar_jax.learner.sft import pack_examples
+    tok, task = CharTokenizer(), get_task("lookup")
+    demos = task.sft_examples(64, seed=3, noise=0.5)
+    plain = SyntheticTask.sft_examples(task, 64, seed=3, noise=0.5)
+    assert [d.response for d in demos] == [p.response for p in plain]
+    for d in demos:
+        resp, mask = d.response_tokens.tolist(), d.response_mask
+        assert len(mask) == len(resp) and mask[-1] == 1 and resp[-1] == tok.eos_token_id
+        if not d.response.startswith("<tool_call>"):
+            assert mask.all()   # a guess: every token is the policy's
+            continue
+        cut = resp.index(tok.eos_token_id) + 1
+        value = d.response[-1]
+        obs = chat.tool_turn_tokens(tok, [], call_text(), value)
+        assert resp[cut:cut + len(obs)] == obs
+        np.testing.assert_array_equal(mask, [1] * cut + [0] * len(obs) + [1] * (len(resp) - cut - len(obs)))
+    batch, nxt = pack_examples(demos, np.arange(len(demos)), 0, batch_size=4, seq_len=88)
+    assert batch["num_loss_tokens"] == sum(d.response_mask.sum() for d in demos[:nxt])
+    assert batch["num_loss_tokens"] < sum(len(d.response_tokens) for d in demos[:nxt])

@@ -260,3 +260,29 @@ def test_tool_calls_wait_free_the_kv_cache_and_add_their_output():
     # the batch's tokens count the tool outputs as response tokens
     first = [i for i, v, _ in sim.consumed if v == 0]
     assert sim.steps[0]["tokens"] == sum(ts.total_tokens(i) for i in first)
+
+
+def test_sandbox_slots_queue_tool_calls_and_failed_calls_wait_their_timeout():
+    """sandbox_slots: at most that many calls run at once (the rest queue, first come first
+    served); failed calls hold their trajectory for timeout_s."""
+    def tools(**kw):
+        return {"max_calls": 2, "calls_weights": [0, 0, 1], "latency_kind": "fixed", "latency_median_s": 4.0,
+                "output_tokens": 50, **kw}
+    cell = [{"system": "s", "accelerators": 2, "train": 1, "rollout": 1}]
+    over = {"run.warmup_steps": 0, "run.measure_steps": 2}
+    free = run(tiny([{"name": "s", "mode": "sync"}], cell, **{"workload.tools": tools()}, **over))
+    one = run(tiny([{"name": "s", "mode": "sync"}], cell, **{"workload.tools": tools(sandbox_slots=1)}, **over))
+    assert max(free.ts.tool_wait) == 0.0
+    # 8 trajectories x 2 calls of 4 s through one slot: 16 calls, one at a time (64 s), against
+    # two calls each in parallel (8 s)
+    assert one.steps[0]["time"] >= 16 * 4.0 and one.steps[0]["time"] > free.steps[0]["time"] + 30
+    assert sum(one.ts.tool_wait[i] for i, _, _ in one.consumed) > 0
+    from laminar_jax.sim.report import trajectory_columns
+    cols = trajectory_columns(one)
+    assert (cols["tool_wait_s"] > 0).any() and (cols["tool_failed"] == 0).all()
+    failing = run(tiny([{"name": "s", "mode": "sync"}], cell,
+                       **{"workload.tools": tools(failure_prob=1.0, timeout_s=20.0)}, **over))
+    cols = trajectory_columns(failing)
+    assert (cols["tool_failed"] == 2).all()
+    for i, _, _ in failing.consumed:   # two 20 s timeouts instead of two 4 s calls
+        assert failing.ts.finish_t[i] - failing.ts.start_t[i] >= 10.0 + 2 * 20.0 - 1e-9

@@ -108,10 +108,34 @@ def test_tool_calls_cut_the_response():
     for r, t in zip(resp, calls):
         if t is None:
             continue
-        cuts, lat, out = t
+        cuts, lat, out, failed = t
         assert cuts == sorted(cuts) and 0 < cuts[0] and cuts[-1] < r and len(cuts) <= 8
-        assert all(0 < x <= 30.0 for x in lat) and out == 200
+        assert all(0 < x <= 30.0 for x in lat) and out == 200 and not any(failed)
     assert calls[1] is None     # a 1-token response cannot call a tool
+
+
+def test_tool_call_counts_latency_kinds_and_failures():
+    rng = np.random.default_rng(1)
+    resp = np.full(4000, 500)
+    # calls_weights: P(0), P(1), P(2) calls
+    got = models.sample_tools(ToolSpec(max_calls=2, calls_weights=(0.5, 0.0, 0.5)), rng, resp)
+    counts = np.array([0 if t is None else len(t[0]) for t in got])
+    assert set(counts.tolist()) == {0, 2} and np.mean(counts == 2) == pytest.approx(0.5, abs=0.03)
+    lat = lambda spec: np.concatenate([t[1] for t in models.sample_tools(spec, rng, resp) if t])  # noqa: E731
+    assert (lat(ToolSpec(max_calls=3, latency_kind="fixed", latency_median_s=2.5)) == 2.5).all()
+    exp = lat(ToolSpec(max_calls=3, latency_kind="exponential", latency_median_s=2.0, latency_max_s=1e9))
+    assert np.median(exp) == pytest.approx(2.0, rel=0.06) and exp.std() == pytest.approx(exp.mean(), rel=0.06)
+    # failures: a share failure_prob of calls hangs until timeout_s
+    spec = ToolSpec(max_calls=4, latency_kind="fixed", latency_median_s=1.0, failure_prob=0.25, timeout_s=9.0)
+    calls = [t for t in models.sample_tools(spec, rng, resp) if t]
+    failed = np.concatenate([t[3] for t in calls])
+    lats = np.concatenate([t[1] for t in calls])
+    assert failed.mean() == pytest.approx(0.25, abs=0.02)
+    assert (lats[failed] == 9.0).all() and (lats[~failed] == 1.0).all()
+    with pytest.raises(ValueError, match="calls_weights"):
+        ToolSpec(max_calls=2, calls_weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match="latency_kind"):
+        ToolSpec(latency_kind="pareto")
 
 
 def test_config_errors_name_the_field():

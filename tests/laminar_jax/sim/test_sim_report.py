@@ -28,7 +28,8 @@ def reference_rows(sim):
         calls = 0 if tools is None else len(tools[0])
         rows.append({"id": i, "group": ts.group[i], "prompt_len": ts.prompt[i],
                      "response_len": ts.resp[i] + (0 if tools is None else calls * tools[2]),
-                     "tool_calls": calls, "gen_version": ts.gen_version[i],
+                     "tool_calls": calls, "tool_failed": 0 if tools is None else sum(tools[3]),
+                     "tool_wait_s": ts.tool_wait[i], "gen_version": ts.gen_version[i],
                      "learner_version": v, "staleness": modes.staleness(v, ts.gen_version[i]),
                      "rollout": ts.first_rollout[i], "repacks": ts.repacks[i],
                      "preemptions": ts.preempts[i], "versions": ts.versions[i],
