@@ -25,6 +25,8 @@ staleness the learner sees; no extra knob is needed):
     small   data.buffer_groups = 1 global batch (the arms' YAML)
     large   data.buffer_groups = --large-buffer global batches (FIFO: each group waits that many
             learner steps in the buffer), manager.max_staleness raised to match
+    sync    manager.mode sync: the on-policy reference (staleness 0; every correction is then the
+            identity up to the engine-vs-learner mismatch), not part of the default --levels
 
 The supervised warm-up runs once (`driver.warm_up`, into --work/warm) and every run starts RL from
 that model (model.hf_path); one Ray cluster and the persistent XLA compile cache serve every run.
@@ -63,7 +65,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARM_DIR = os.path.join(ROOT, "configs/ablations/staleness")
 ARMS = ("none", "bypass", "decoupled", "tis_token", "tis_seq", "icepop", "stale_cap", "stale_decay",
         "vtrace", "m2po", "zero_mismatch")
-LEVELS = ("small", "large")
+LEVELS = ("small", "large", "sync")
 HIST_BINS = 12          # staleness 0 .. 10, and 11+
 
 
@@ -71,6 +73,8 @@ def level_overrides(level: str, cfg, large_buffer: int) -> dict:
     """The config keys a staleness level sets on top of an arm's YAML."""
     if level == "small":
         return {}
+    if level == "sync":      # the on-policy reference: the fleet generates one batch per version
+        return {"manager.mode": "sync"}
     depth = large_buffer * cfg.learner.global_batch_groups
     return {"data.buffer_groups": depth, "manager.max_staleness": large_buffer + 4}
 
@@ -193,14 +197,15 @@ def table(summary: dict, threshold: float) -> str:
 
 
 def figure(cells: dict, path: str, threshold: float) -> None:
-    """Reward (3-step rolling mean, averaged over seeds step by step) against wall-clock, per arm;
-    one panel per staleness level."""
+    """Reward (3-step rolling mean, averaged over seeds step by step) per arm, one column per
+    staleness level: against wall-clock since the run's start (top; start-up and the shared
+    machine's load move it) and against the learner step (bottom)."""
     from matplotlib.figure import Figure
     levels = [lv for lv in LEVELS if any(k[0] == lv for k in cells)]
-    fig = Figure(figsize=(6.5 * len(levels), 4.5))
-    axes = fig.subplots(1, len(levels), sharey=True, squeeze=False)[0]
+    fig = Figure(figsize=(5.5 * len(levels), 7.5))
+    axes = fig.subplots(2, len(levels), sharey=True, squeeze=False)
     colours = {arm: c for arm, c in zip(ARMS, [f"C{i}" for i in range(10)] + ["black"])}
-    for ax, level in zip(axes, levels):
+    for col, level in enumerate(levels):
         for arm in ARMS:
             runs = cells.get((level, arm))
             if not runs:
@@ -208,14 +213,19 @@ def figure(cells: dict, path: str, threshold: float) -> None:
             n = min(len(x["reward"]) for x in runs)
             t = np.mean([x["elapsed"][:n] for x in runs], axis=0)
             r = np.mean([pd.Series(x["reward"][:n]).rolling(3, min_periods=1).mean() for x in runs], axis=0)
-            ax.plot(t, r, color=colours[arm], lw=2.2 if arm in ("none", "tis_token") else 1.2,
-                    ls="--" if arm == "zero_mismatch" else "-", label=f"{arm} ({len(runs)})")
-        ax.axhline(threshold, color="gray", lw=0.6, ls=":")
-        ax.set(title=f"{level} staleness", xlabel="wall-clock since run start (s)")
-    axes[0].set_ylabel("mean reward per step (3-step rolling, seed mean)")
-    axes[-1].legend(fontsize="x-small", loc="lower right", ncol=2)
+            style = dict(color=colours[arm], lw=2.2 if arm in ("none", "tis_token") else 1.2,
+                         ls="--" if arm == "zero_mismatch" else "-", label=f"{arm} ({len(runs)})")
+            axes[0, col].plot(t, r, **style)
+            axes[1, col].plot(np.arange(n), r, **style)
+        for row in (0, 1):
+            axes[row, col].axhline(threshold, color="gray", lw=0.6, ls=":")
+        axes[0, col].set(title=f"{level} staleness", xlabel="wall-clock since run start (s)")
+        axes[1, col].set(xlabel="learner step")
+    for row in (0, 1):
+        axes[row, 0].set_ylabel("reward (3-step rolling, seed mean)")
+    axes[1, -1].legend(fontsize="x-small", loc="lower left", ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=70)
 
 
 # ---------------------------------------------------------------- the study
