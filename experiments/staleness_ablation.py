@@ -51,6 +51,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import sys
 import time
 
@@ -120,6 +121,22 @@ def t_interval(xs) -> tuple[float, float, float]:
     return (mean, mean - half, mean + half)
 
 
+def diff_interval(a, b) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), low, high): the pooled two-sample 95% Student-t interval,
+    d +- t_{0.975, na+nb-2} s_p sqrt(1/na + 1/nb), s_p^2 = ((na-1) s_a^2 + (nb-1) s_b^2) / (na+nb-2);
+    nan bounds unless both sides have 2 values or more."""
+    a, b = (np.asarray([x for x in v if not math.isnan(x)], float) for v in (a, b))
+    if len(a) == 0 or len(b) == 0:
+        return (math.nan, math.nan, math.nan)
+    d = float(a.mean() - b.mean())
+    df = len(a) + len(b) - 2
+    if len(a) < 2 or len(b) < 2 or df > len(T975):
+        return (d, math.nan, math.nan)
+    sp = math.sqrt(((len(a) - 1) * a.var(ddof=1) + (len(b) - 1) * b.var(ddof=1)) / df)
+    half = T975[df - 1] * sp * math.sqrt(1 / len(a) + 1 / len(b))
+    return (d, d - half, d + half)
+
+
 def elapsed(metrics: pd.DataFrame, events: pd.DataFrame) -> np.ndarray:
     """Seconds of each metrics row since the run's first event (its start), from wall_time."""
     t0 = min(float(events["time"].min()) if len(events) else np.inf, float(metrics["wall_time"].min()))
@@ -168,8 +185,11 @@ def summarise(cells: dict) -> dict:
         gain = t_interval([x["reward_gain_same_len"] for x in runs])
         reached = [x["time_to_threshold_s"] for x in runs if not math.isnan(x["time_to_threshold_s"])]
         hist = np.mean([x["staleness_hist"] for x in runs], axis=0)
+        ref = cells.get((level, "none"), [])
+        vs_none = diff_interval([x["reward_final"] for x in runs], [x["reward_final"] for x in ref])
         out.setdefault(level, {})[arm] = {
-            "seeds": len(runs), "reward_final": final, "reward_gain_same_len": gain,
+            "seeds": len(runs), "reward_final": final, "reward_final_minus_none": vs_none,
+            "reward_gain_same_len": gain,
             "reward_first": float(np.mean([x["reward_first"] for x in runs])),
             "time_to_threshold_s": float(np.mean(reached)) if reached else math.nan,
             "reached_threshold": len(reached),
@@ -183,15 +203,17 @@ def table(summary: dict, threshold: float) -> str:
     lines = []
     for level, arms in summary.items():
         lines.append(f"\nstaleness level: {level}")
-        lines.append(f"{'arm':<14}{'seeds':>6}{'final reward [95% CI]':>28}{'gain (same len) [95% CI]':>30}"
+        lines.append(f"{'arm':<14}{'seeds':>6}{'final reward [95% CI]':>28}{'minus none [95% CI]':>28}"
+                     f"{'gain (same len) [95% CI]':>30}"
                      f"{f't to {threshold:g} (s, n)':>20}{'stale mean/max':>16}  staleness hist % (0,1,2,...,{HIST_BINS - 1}+)")
         for arm, s in arms.items():
-            f, g = s["reward_final"], s["reward_gain_same_len"]
-            ci = (lambda v: f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]" if not math.isnan(v[1]) else f"{v[0]:.3f}")
+            f, g, dn = s["reward_final"], s["reward_gain_same_len"], s["reward_final_minus_none"]
+            ci = (lambda v, sign="+": f"{v[0]:{sign}.3f} [{v[1]:{sign}.3f}, {v[2]:{sign}.3f}]" if not math.isnan(v[1])
+                  else ("-" if math.isnan(v[0]) else f"{v[0]:{sign}.3f}"))
             ttt = f"{s['time_to_threshold_s']:.0f} ({s['reached_threshold']}/{s['seeds']})" \
                 if s["reached_threshold"] else f"- (0/{s['seeds']})"
             hist = " ".join(f"{100 * h:.0f}" for h in s["staleness_hist"])
-            lines.append(f"{arm:<14}{s['seeds']:>6}{ci(f):>28}{ci(g):>30}{ttt:>20}"
+            lines.append(f"{arm:<14}{s['seeds']:>6}{ci(f, ''):>28}{('' if arm == 'none' else ci(dn)):>28}{ci(g):>30}{ttt:>20}"
                          f"{s['staleness_mean']:>10.2f}/{s['staleness_max']:<5}  {hist}")
     return "\n".join(lines)
 
@@ -239,6 +261,12 @@ def parse_cell(name: str) -> tuple[str, str, int] | None:
     return None
 
 
+def finished(path) -> bool:
+    """The run wrote its end-of-run summary event."""
+    events = pathlib.Path(path) / "events.jsonl"
+    return events.is_file() and '"kind": "summary"' in events.read_text()
+
+
 def collect(work: str, threshold: float) -> dict:
     cells: dict = {}
     root = os.path.join(work, "runs")
@@ -246,9 +274,9 @@ def collect(work: str, threshold: float) -> dict:
         cell = parse_cell(path.name)
         if cell is None or not (path / "metrics").is_dir():
             continue
-        run = measure_run(path, threshold)
-        if run["steps"] == 0:
+        if not finished(path):     # running, or crashed: not a cell of the table
             continue
+        run = measure_run(path, threshold)
         cells.setdefault(cell[:2], []).append(run)
     return cells
 

@@ -64,6 +64,14 @@ def test_t_interval_closed_form():
     assert sa.t_interval([0.0, 2.0])[2] == pytest.approx(1 + math.tan(math.pi * 0.475) * math.sqrt(2) / math.sqrt(2))
 
 
+def test_diff_interval_closed_form():
+    # a = 1, 2, 3 and b = 0, 2: d = 1, s_p^2 = (2 * 1 + 1 * 2) / 3, df 3
+    d, lo, hi = sa.diff_interval([1.0, 2.0, 3.0], [0.0, 2.0])
+    half = 3.1824463052837078 * math.sqrt(4 / 3) * math.sqrt(1 / 3 + 1 / 2)
+    assert (d, lo, hi) == pytest.approx((1.0, 1.0 - half, 1.0 + half), rel=1e-12)
+    assert math.isnan(sa.diff_interval([1.0], [0.0, 2.0])[1]) and sa.diff_interval([1.0], [0.0, 2.0])[0] == 0.0
+
+
 def test_time_to_threshold_and_histogram():
     t = np.arange(6) * 10.0
     r = np.array([0.1, 0.9, 0.9, 0.6, 0.9, 0.9])
@@ -73,7 +81,7 @@ def test_time_to_threshold_and_histogram():
     assert sa.staleness_hist([0, 0, 1, 5, 7], bins=4) == [0.4, 0.2, 0.0, 0.4]
 
 
-def write_run(folder: pathlib.Path, rewards, staleness, t0=1000.0):
+def write_run(folder: pathlib.Path, rewards, staleness, t0=1000.0, done=True):
     (folder / "metrics").mkdir(parents=True)
     (folder / "trajectories").mkdir()
     n = len(rewards)
@@ -82,7 +90,8 @@ def write_run(folder: pathlib.Path, rewards, staleness, t0=1000.0):
     pd.DataFrame({"staleness": staleness, "reward": np.ones(len(staleness)), "prompt_len": 5,
                   "gen_version": np.arange(len(staleness))}).to_parquet(
         folder / "trajectories" / "part-000000-00000000-00000000.parquet")
-    (folder / "events.jsonl").write_text(json.dumps({"time": t0, "kind": "start"}) + "\n")
+    events = [{"time": t0, "kind": "start"}] + ([{"time": t0 + 99, "kind": "summary"}] if done else [])
+    (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
 def test_study_table_on_synthetic_run_folders(tmp_path):
@@ -91,6 +100,7 @@ def test_study_table_on_synthetic_run_folders(tmp_path):
         write_run(tmp_path / "runs" / f"large-none-s{seed}", [0.0] * 5 + [f, f, f], [0, 1, 2, 2, 3])
     write_run(tmp_path / "runs" / "small-m2po-s0", [0.2] * 8, [0, 0, 1])
     (tmp_path / "runs" / "not-a-cell").mkdir()
+    write_run(tmp_path / "runs" / "large-bypass-s0", [0.9] * 8, [0], done=False)   # still running
     cells = sa.collect(str(tmp_path), threshold=0.55)
     assert sorted(cells) == [("large", "none"), ("small", "m2po")]
     s = sa.summarise(cells)
@@ -104,6 +114,7 @@ def test_study_table_on_synthetic_run_folders(tmp_path):
     assert row["staleness_mean"] == pytest.approx(1.6) and row["staleness_max"] == 3
     assert row["staleness_hist"][:4] == pytest.approx([0.2, 0.2, 0.4, 0.2])
     assert s["small"]["m2po"]["reward_final"][0] == pytest.approx(0.2)
+    assert math.isnan(s["small"]["m2po"]["reward_final_minus_none"][0])     # no none arm at small
     text = sa.table(s, 0.55)
     assert "0.633 [" in text and "19 (2/3)" in text
     sa.figure(cells, str(tmp_path / "fig.png"), 0.55)
