@@ -87,7 +87,7 @@ def write_run(folder: pathlib.Path, rewards, staleness, t0=1000.0, done=True):
     n = len(rewards)
     pd.DataFrame({"step": range(n), "reward_mean": rewards, "wall_time": t0 + 5.0 + 2.0 * np.arange(n)}).to_parquet(
         folder / "metrics" / f"part-000000-00000000-{n - 1:08d}.parquet")
-    pd.DataFrame({"staleness": staleness, "reward": np.ones(len(staleness)), "prompt_len": 5,
+    pd.DataFrame({"staleness": staleness, "reward": np.arange(len(staleness)) / 10, "prompt_len": 5,
                   "gen_version": np.arange(len(staleness))}).to_parquet(
         folder / "trajectories" / "part-000000-00000000-00000000.parquet")
     events = [{"time": t0, "kind": "start"}] + ([{"time": t0 + 99, "kind": "summary"}] if done else [])
@@ -109,6 +109,9 @@ def test_study_table_on_synthetic_run_folders(tmp_path):
     half = 0.95 / math.sqrt(2 * 0.975 * 0.025) * sd / math.sqrt(3)
     assert row["reward_final"] == pytest.approx((mean, mean - half, mean + half), rel=1e-12)
     assert row["reward_first"] == 0.0 and row["seeds"] == 3
+    # 8 steps: versions [4, 6) -> only the trajectory of version 4 (of 0..4), reward 0.4
+    assert row["reward_mid_versions"][0] == pytest.approx(0.4)
+    assert row["reward_mid_versions_minus_none"][0] == pytest.approx(0.0)
     # the 3-step mean first reaches 0.55 at the last step (seeds 0.6 and 0.8 only): 5 + 2 * 7 s
     assert row["time_to_threshold_s"] == 19.0 and row["reached_threshold"] == 2
     assert row["staleness_mean"] == pytest.approx(1.6) and row["staleness_max"] == 3
@@ -117,6 +120,8 @@ def test_study_table_on_synthetic_run_folders(tmp_path):
     assert math.isnan(s["small"]["m2po"]["reward_final_minus_none"][0])     # no none arm at small
     text = sa.table(s, 0.55)
     assert "0.633 [" in text and "19 (2/3)" in text
+    md = sa.markdown(s, 0.55).splitlines()
+    assert len(md) == 2 + 2 and md[2].startswith("| large | none | 3 | 0.633 [") and md[2].endswith("| 20 20 40 20 |")
     sa.figure(cells, str(tmp_path / "fig.png"), 0.55)
     assert (tmp_path / "fig.png").stat().st_size > 5000
 
