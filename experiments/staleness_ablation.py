@@ -211,6 +211,26 @@ def summarise(cells: dict) -> dict:
     return out
 
 
+def level_effect(cells: dict, measure: str = "reward_final") -> dict:
+    """Per arm run at both levels: large minus small of `measure` (pooled two-sample t interval):
+    what staleness costs the arm."""
+    out = {}
+    for arm in ARMS:
+        big, little = cells.get(("large", arm)), cells.get(("small", arm))
+        if big and little:
+            out[arm] = diff_interval([x[measure] for x in big], [x[measure] for x in little])
+    return out
+
+
+def effect_text(cells: dict) -> str:
+    lines = ["\nlarge minus small staleness, per arm (pooled 95% t interval):"]
+    for measure in ("reward_final", "reward_mid_versions"):
+        for arm, (d, lo, hi) in level_effect(cells, measure).items():
+            ci = f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else ""
+            lines.append(f"  {measure:<20} {arm:<12} {d:+.3f}{ci}")
+    return "\n".join(lines)
+
+
 def table(summary: dict, threshold: float) -> str:
     lines = []
     for level, arms in summary.items():
@@ -285,7 +305,7 @@ def figure(cells: dict, path: str, threshold: float) -> None:
         axes[row, 0].set_ylabel("reward (3-step rolling, seed mean)")
     axes[1, -1].legend(fontsize="x-small", loc="lower left", ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    fig.savefig(path, dpi=55)
 
 
 # ---------------------------------------------------------------- the study
@@ -389,7 +409,7 @@ def main(argv=None) -> dict:
             ray.shutdown()
     cells = collect(args.work, args.threshold)
     summary = summarise(cells)
-    text = table(summary, args.threshold)
+    text = table(summary, args.threshold) + effect_text(cells)
     if skipped:
         text += f"\n\nnot run (past --deadline): {', '.join(skipped)}"
     print(text)
@@ -398,6 +418,7 @@ def main(argv=None) -> dict:
     command = " ".join(["python experiments/staleness_ablation.py", *(argv if argv is not None else sys.argv[1:])])
     with open(stem + ".json", "w") as f:
         json.dump({"command": command, "args": vars(args), "summary": summary, "timings": timings,
+                   "large_minus_small": {m: level_effect(cells, m) for m in ("reward_final", "reward_mid_versions")},
                    "not_run": skipped,
                    "runs": {f"{lv}/{arm}": runs for (lv, arm), runs in cells.items()}}, f, indent=1)
     with open(stem + ".txt", "w") as f:

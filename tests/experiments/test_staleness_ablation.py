@@ -120,6 +120,13 @@ def test_study_table_on_synthetic_run_folders(tmp_path):
     assert math.isnan(s["small"]["m2po"]["reward_final_minus_none"][0])     # no none arm at small
     text = sa.table(s, 0.55)
     assert "0.633 [" in text and "19 (2/3)" in text
+    write_run(tmp_path / "runs" / "small-none-s0", [0.0] * 5 + [0.9] * 3, [0])
+    write_run(tmp_path / "runs" / "small-none-s1", [0.0] * 5 + [0.7] * 3, [0])
+    effect = sa.level_effect(sa.collect(str(tmp_path), threshold=0.55))
+    # a = .5 .6 .8 (var 7/300), b = .9 .7 (var .02): d = 19/30 - .8, s_p^2 = (2 * 7/300 + .02) / 3, df 3
+    half = 3.1824463052837078 * math.sqrt((2 * 7 / 300 + 0.02) / 3) * math.sqrt(1 / 3 + 1 / 2)
+    assert effect["none"] == pytest.approx((19 / 30 - 0.8, 19 / 30 - 0.8 - half, 19 / 30 - 0.8 + half), rel=1e-9)
+    assert list(effect) == ["none"]
     md = sa.markdown(s, 0.55).splitlines()
     assert len(md) == 2 + 2 and md[2].startswith("| large | none | 3 | 0.633 [") and md[2].endswith("| 20 20 40 20 |")
     sa.figure(cells, str(tmp_path / "fig.png"), 0.55)
