@@ -70,6 +70,7 @@ class RolloutWorker:
         self._events: list[dict] = []
         self._steps_since_stream, self._last_stream = 0, time.time()
         self._last_poll = 0.0
+        self._had_work, self._free_since = False, None
         # Highest KV use of the batch in hand: the manager's ramp-down test compares against it.
         self._kv_peak = 0.0
         # time split (seconds): decode = engine steps, pull = reading newer weights, reload =
@@ -170,6 +171,9 @@ class RolloutWorker:
 
     def _tick(self) -> bool:
         in_flight = self._in_flight()
+        if self._had_work and not in_flight:   # the batch in hand just ended (pull events say when)
+            self._free_since = time.time()
+        self._had_work = in_flight
         if modes.may_pull_weights(self.mode, in_flight=int(in_flight), released=self._released):
             self._maybe_pull(in_flight)
         if self.engine is None:
@@ -247,15 +251,18 @@ class RolloutWorker:
             self.engine.add([p.to_request() for p in partials])
             self.counters["interrupts"] += bool(partials)
         self.counters["reload_s"] += time.perf_counter() - t0
-        self._pulled(version, in_flight)
+        self._pulled(version, in_flight, load_s=time.perf_counter() - t0)
 
-    def _pulled(self, version: int, in_flight: bool) -> None:
+    def _pulled(self, version: int, in_flight: bool, load_s: float | None = None) -> None:
         self._released = False
         self.counters["pulls"] += 1
-        # seen_t: when the source learnt of the newest version (a relay's watcher), so the time
-        # from a relay serving a version to its rollout holding it splits into notice and load
+        # seen_t: when the source learnt of the newest version (a relay's watcher); read_s: its
+        # read; load_s: the engine's load. The time from a relay serving a version to its
+        # rollout holding it splits into these and the wait for the rollout's batch to end
+        # (free_since: when the last batch's work ended; laminar mode loads only between batches).
         self._event("pull", version=version, interrupted=int(in_flight), engine=getattr(self.engine, "kind", None),
-                    node=node_id(), relay_node=self.weights.node(), seen_t=getattr(self.weights, "seen_t", None))
+                    node=node_id(), relay_node=self.weights.node(), seen_t=getattr(self.weights, "seen_t", None),
+                    read_s=getattr(self.weights, "read_s", None), load_s=load_s, free_since=self._free_since)
 
     def _catching_up(self) -> bool:
         """Newer weights are published and the source is failing over to reach them (bounded by

@@ -252,6 +252,19 @@ class RelayGroup:
         return dict(zip(self.order, ray.get([self.relays[n].status.remote() for n in self.order],
                                             timeout=CALL_TIMEOUT_S)))
 
+    def standby_warm(self, timeout_s: float = 10.0) -> bool | None:
+        """Whether the next master in line has run a master step (`prepare_standby`); None when
+        there is none. A master killed before its standby is warm fails over to a cold relay,
+        whose first orbax restore takes seconds (the chaos benchmark waits for this)."""
+        with self._lock:
+            if len(self.order) < 2:
+                return None
+            standby = self.relays[self.order[1]]
+        try:
+            return bool(ray.get(standby.status.remote(), timeout=timeout_s)["warm"])
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
     def collect_events(self) -> list[dict]:
         """Drains every live relay's events into the group's sink; returns them."""
         with self._lock:

@@ -81,6 +81,7 @@ class RelaySource(WeightSource):
         self._home_seen = False                          # this node's relay was found once
         self._failed_at = -float("inf")                  # when the relay's calls began to fail
         self.seen_t: float | None = None                 # wall time the watcher saw _served
+        self.read_s: float | None = None                 # the last relay read (call + map)
         self.rpcs = 0                                    # relay calls made (tests count them)
         self.via = "relay"          # where the last answer came from: "relay" or "store"
         self.fallbacks = 0
@@ -116,11 +117,12 @@ class RelaySource(WeightSource):
                 except ValueError:   # dead, restarting, or not registered yet
                     if not self._home_seen:   # at start-up: wait for this node's own relay
                         raise
-            self._relay, self._node = home, None
+            # a relay's node is in its name ({prefix}:{node}): no call to ask it
+            self._relay, self._node = home, None if home is None else ray.get_runtime_context().get_node_id()
             self._foreign = home is None
             self._home_seen = True
             if home is None:
-                self._relay = self._other_relay()
+                self._relay, self._node = self._other_relay()
                 if self._relay is None:
                     raise ValueError(f"no live relay named {self.prefix}:*")
         return self._relay
@@ -132,10 +134,10 @@ class RelaySource(WeightSource):
                        and (self.namespace is None or a.get("namespace") == self.namespace))
         for name in names:
             try:
-                return ray.get_actor(name, namespace=self.namespace)
+                return ray.get_actor(name, namespace=self.namespace), name[len(self.prefix) + 1:]
             except ValueError:
                 continue
-        return None
+        return None, None
 
     def _go_home(self) -> None:
         """Back to this node's relay once it serves what the foreign one did (watcher thread)."""
@@ -147,7 +149,7 @@ class RelaySource(WeightSource):
             return
         if snap is not None and snap.version >= self._served:
             with self._cond:
-                self._relay, self._node, self._foreign = home, None, False
+                self._relay, self._node, self._foreign = home, ray.get_runtime_context().get_node_id(), False
 
     def _fail(self, e: BaseException) -> None:
         if not self._failing:
@@ -198,6 +200,7 @@ class RelaySource(WeightSource):
         from laminar_jax.weights import flat
         from laminar_jax.weights.relay import pull
 
+        t0 = time.perf_counter()
         try:
             self.rpcs += 1
             got = pull(self._handle(), newer_than=version, timeout_s=0.0, call_timeout_s=self.call_timeout_s)
@@ -211,7 +214,9 @@ class RelaySource(WeightSource):
         self.via = "relay"
         if got is None or got[0] <= version:
             return None
-        return got[0], flat.unflatten(got[1], got[2])
+        out = got[0], flat.unflatten(got[1], got[2])
+        self.read_s = time.perf_counter() - t0
+        return out
 
     def _use_store(self) -> bool:
         """Read the store: the relay failed more than FAILOVER_GRACE_S ago and none answers yet
