@@ -114,8 +114,8 @@ class Chaos:
             at, kind = self.pending[0]
             warm = None
             if kind == "master" and fleet.relays is not None:
-                warm = fleet.relays.standby_warm()
-                if warm is False and now - self.t0 < at + STANDBY_WAIT_S:
+                warm = fleet.relays.standby_warm()   # None: no standby yet (a restart pending)
+                if not warm and now - self.t0 < at + STANDBY_WAIT_S:
                     break   # asked again at the next step
             self.pending.pop(0)
             target = self._fire(kind, fleet)
@@ -239,8 +239,16 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
             # (it may have been written just before, and reached only the dead master); a relay
             # restarted before the kill may have skipped older versions: its newest one counts
             old = {e["relay"] for e in by("relay_received") if t(e) < f["t"]} - {f["target"]}
+            for r in list(old):   # alive at the kill: not dead then, or started again since
+                dead = [t(e) for e in by("relay_dead") if e["relay"] == r and t(e) < f["t"]]
+                if dead and not any(e["relay"] == r and max(dead) < t(e) < f["t"] for e in by("relay_started")):
+                    old.discard(r)
             newest = {r: max(e["version"] for e in by("relay_received") if e["relay"] == r and t(e) < f["t"])
                       for r in old}
+            if not old:   # no relay survived (a double fault): the ones that serve after the kill
+                old = {e["relay"] for e in by("relay_received") if t(e) > f["t"]}
+                newest = {f["target"]: max((e["version"] for e in by("relay_received")
+                                            if e["relay"] == f["target"] and t(e) < f["t"]), default=-1)}
             have = min(newest.values(), default=-1)
             nxt = min((v for v in written if v > have), default=None)
             if nxt is not None:
@@ -251,8 +259,16 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
                         firsts.setdefault(e["relay"], t(e))
                 got = list(firsts.values()) if len(firsts) == len(old) else []
                 reach = reached.get(nxt)
+                # the failover's own part: from the kill, or from the publish when it came later
+                # (time the dead master spent on a version before it died is not the failover's)
+                since = max(written[nxt], f["t"])
+                from_kill = _reached(by("pull"), {nxt: written[nxt]}, t, ends, batches=by("batch"), path=True,
+                                     since={nxt: since})
                 failover.update(version=nxt, relays_s=max(got) - written[nxt] if got else None,
-                                rollouts_s=reach, rollouts_path_s=reached_path.get(nxt))
+                                rollouts_s=reach, rollouts_path_s=reached_path.get(nxt),
+                                written_before_kill_s=max(0.0, f["t"] - written[nxt]),
+                                relays_from_kill_s=max(got) - since if got else None,
+                                rollouts_from_kill_s=from_kill.get(nxt))
                 if reach is not None:
                     rec = written[nxt] + reach - f["t"]
                 new_master = [e["new"] for e in by("master_failover") if e.get("old") == f["target"]]
@@ -269,6 +285,9 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
         failover[f"normal_{key}"] = float(np.median(values)) if values else None
         if failover.get(key) is not None and failover[f"normal_{key}"]:
             failover[f"ratio_{key[:-2]}"] = failover[key] / failover[f"normal_{key}"]
+    for key, normal_key in (("relays_from_kill_s", "normal_relays_s"), ("rollouts_from_kill_s", "normal_rollouts_path_s")):
+        if failover.get(key) is not None and failover.get(normal_key):
+            failover[f"ratio_{key[:-2]}"] = failover[key] / failover[normal_key]
     traj = load_run(run_dir).trajectories
     per_group = traj.groupby("group_id").size()
     dup_samples = int(traj.duplicated(["group_id", "sample_index"]).sum())
@@ -286,7 +305,7 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
 
 def _reached(pulls: list[dict], written: dict[int, float], t,
              ends: dict[str | None, list[float]] | None = None, batches: list[dict] | None = None,
-             path: bool = False) -> dict[int, float]:
+             path: bool = False, since: dict[int, float] | None = None) -> dict[int, float]:
     """Per version v: seconds from its publish_written until every rollout live then (it had
     pulled weights before, and was not killed before it held v) holds v or newer (a rollout may
     skip v for a newer one: that counts as reached). `ends`: kill times per rollout name (None:
@@ -295,7 +314,8 @@ def _reached(pulls: list[dict], written: dict[int, float], t,
     path=True: the weight path's part only. A rollout in the middle of a batch it began before
     v was written cannot load v until that batch ends (laminar mode loads between batches), so
     its time counts from the batch's end (the pull's `free_since`). A batch it began after v was
-    written, on older weights, counts in full: v existed and had not reached it."""
+    written, on older weights, counts in full: v existed and had not reached it. `since`: per
+    version, a later time to count from (a master fault: the kill, when v was written before)."""
     ends = ends or {}
     lives: dict[tuple[str, int], list[tuple[int, float, float | None]]] = {}
     life_of = lambda e: (e["rollout"], sum(1 for c in ends.get(e["rollout"], []) + ends.get(None, [])  # noqa: E731
@@ -312,9 +332,9 @@ def _reached(pulls: list[dict], written: dict[int, float], t,
             if not (seq[0][1] < tw and any(ver >= v for ver, _, _ in seq)):   # live when v came out
                 continue
             tp, free = next((ts, f) for ver, ts, f in seq if ver >= v)
-            start = tw
+            start = max(tw, (since or {}).get(v, tw))
             old_batch = any(tw < tb < tp and bv < v for tb, bv in started.get(key, []))
-            if path and free is not None and free > tw and not old_batch:
+            if path and free is not None and free > start and not old_batch:
                 start = min(free, tp)
             times.append(tp - start)
         if times:
@@ -408,7 +428,10 @@ def _failover_line(m: dict) -> str:
     return (f"first version after the master's death (v{m['version']}): every relay {_s(m.get('relays_s'))} "
             f"({ratio('ratio_relays')} normal), every rollout {_s(m.get('rollouts_s'))} "
             f"({ratio('ratio_rollouts')} normal; weight path only, batch ends excluded: "
-            f"{_s(m.get('rollouts_path_s'))}, {ratio('ratio_rollouts_path')} normal)")
+            f"{_s(m.get('rollouts_path_s'))}, {ratio('ratio_rollouts_path')} normal)\n"
+            f"  written {_s(m.get('written_before_kill_s'))} before the kill; from the kill (or the publish, if later): "
+            f"every relay {_s(m.get('relays_from_kill_s'))} ({ratio('ratio_relays_from_kill')} normal), every rollout "
+            f"{_s(m.get('rollouts_from_kill_s'))} ({ratio('ratio_rollouts_from_kill')} normal)")
 
 
 def reanalyse(path: str) -> dict:

