@@ -60,6 +60,7 @@ __all__ = ["RelayWorker", "Snapshot", "pull", "read", "TRANSPORTS"]
 TRANSPORTS = ("tcp", "object_store")
 STANDBY_WAIT_S = 600.0   # how long a standby master waits for the store's first version to warm on
 STANDBY_POLL_S = 0.5
+STANDBY_TRIES = 5        # the version a standby restores may be pruned under it: the newest again
 MAX_WAIT_S = 300.0       # the longest a `wait_newer` call waits inside the relay
 
 
@@ -178,10 +179,18 @@ class RelayWorker:
             if not versions or self._role is not None:   # nothing to read, or master already
                 self._log("standby_ready", warmed=False)
                 return
-            try:
-                _, _, timings = master.prepare(role, versions[-1], role.store.path(versions[-1]))
-            except Exception as e:  # noqa: BLE001 - pruned meanwhile: the imports are warm anyway
-                self._log("standby_ready", warmed=False, error=repr(e))
+            timings, error = None, None
+            for _ in range(STANDBY_TRIES):
+                if not versions or self._role is not None:
+                    break
+                try:
+                    _, _, timings = master.prepare(role, versions[-1], role.store.path(versions[-1]))
+                    break
+                except Exception as e:  # noqa: BLE001 - pruned meanwhile (a slow restore): the newest again
+                    error = e
+                    versions = role.store.versions() if os.path.isdir(role.store.root) else []
+            if timings is None:
+                self._log("standby_ready", warmed=False, error=repr(error))
                 return
             self._warm = True
             self._log("standby_ready", warmed=True, version=versions[-1], **timings)

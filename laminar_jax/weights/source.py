@@ -51,9 +51,9 @@ class WeightSource:
         return None
 
     def catching_up(self, version: int) -> bool:
-        """A version newer than `version` is published but this source cannot serve it yet
-        because it is failing over (only `RelaySource` ever says so): a rollout then waits for
-        it instead of starting a batch on weights already replaced."""
+        """A version newer than `version` is published and on its way to this source (only
+        `RelaySource` ever says so): a rollout then waits for it, briefly, instead of starting
+        a batch on weights already replaced."""
         return False
 
     def newest_published(self) -> int | None:
@@ -82,6 +82,7 @@ class RelaySource(WeightSource):
         self._failed_at = -float("inf")                  # when the relay's calls began to fail
         self.seen_t: float | None = None                 # wall time the watcher saw _served
         self.read_s: float | None = None                 # the last relay read (call + map)
+        self._behind: tuple[int, float] | None = None    # (store's newest, when first seen unserved)
         self.rpcs = 0                                    # relay calls made (tests count them)
         self.via = "relay"          # where the last answer came from: "relay" or "store"
         self.fallbacks = 0
@@ -226,16 +227,20 @@ class RelaySource(WeightSource):
                 and time.monotonic() - self._failed_at >= FAILOVER_GRACE_S)
 
     def catching_up(self, version: int) -> bool:
-        """Within FAILOVER_GRACE_S of the relay's failure, while the store holds a version
-        newer than both `version` and what the relays serve: a dead master takes the version
-        it was broadcasting with it, and the new master restores it in about a broadcast. A
-        rollout that started a batch on its old weights meanwhile would hold them for that
-        whole batch (laminar mode loads between batches): it waits instead, at most the grace.
-        Outside a failover this is a clock read, no store listing."""
-        if self.fallback is None or time.monotonic() - self._failed_at >= FAILOVER_GRACE_S:
+        """The store holds a version newer than both `version` and what the relays serve, first
+        seen less than FAILOVER_GRACE_S ago: it is on its way (a normal broadcast takes a
+        fraction of a second; after a master's death the new master restores it, in about a
+        broadcast). A rollout that started a batch on its old weights meanwhile would keep
+        them for that whole batch (laminar mode loads between batches): it waits instead, at
+        most the grace per version. A store this node cannot read never says so."""
+        if self.fallback is None:
             return False
         newest = self.fallback.newest_published()
-        return newest is not None and newest > max(version, self._served)
+        if newest is None or newest <= max(version, self._served):
+            return False
+        if self._behind is None or self._behind[0] != newest:
+            self._behind = (newest, time.monotonic())
+        return time.monotonic() - self._behind[1] < FAILOVER_GRACE_S
 
     def _from_store(self, version: int) -> tuple[int, dict] | None:
         self.via = "store"

@@ -1,11 +1,12 @@
 """A rollout during a master failover: the dead master took the version it was broadcasting with
 it, the store already holds it, and the new master restores it in about a broadcast. A rollout
 that started a batch on its old weights meanwhile would keep them for that whole batch (laminar
-mode loads between batches), which is where the rollout side of a failover lost its time. So
-`RelaySource.catching_up` says "wait" exactly while (a) the relay failed less than
-FAILOVER_GRACE_S ago and (b) the store holds a version newer than both the rollout's and the
-relays' newest; the worker takes no new work while it says so. The real run (a real kill, real
-relays) is the short chaos test's master fault (tests/laminar_jax/runtime/test_chaos.py)."""
+mode loads between batches), which is where the rollout side of a failover lost its time -- on
+the dead master's node and on the surviving relay's alike. So `RelaySource.catching_up` says
+"wait" exactly while the store holds a version newer than both the rollout's and the relays'
+newest, for at most FAILOVER_GRACE_S per version; the worker takes no new work while it says
+so. The real run (a real kill, real relays) is the short chaos test's master fault
+(tests/laminar_jax/runtime/test_chaos.py)."""
 import time
 
 from laminar_jax.config import load_config
@@ -24,25 +25,29 @@ class Store(S.WeightSource):
         return self.newest
 
 
-def _source(newest, *, failed_ago_s=None, served=5):
+def _source(newest, *, served=5):
     src = S.RelaySource("p", fallback=Store(newest))
     src._served = served
-    if failed_ago_s is not None:
-        src._failed_at = time.monotonic() - failed_ago_s
     return src
 
 
-def test_catching_up_only_within_the_grace_and_only_for_a_newer_published_version():
-    assert not _source(7).catching_up(5)                                   # no failure: no wait
-    assert _source(7).fallback.listings == 0                               # ... and no store listing
-    assert _source(6, failed_ago_s=0.1).catching_up(5)                     # v6 published, relays serve v5
-    assert not _source(5, failed_ago_s=0.1).catching_up(5)                 # nothing newer published
-    assert not _source(6, failed_ago_s=0.1, served=6).catching_up(5)       # a relay serves v6: pull it
-    assert not _source(6, failed_ago_s=0.1).catching_up(6)                 # the rollout has it
-    assert not _source(6, failed_ago_s=S.FAILOVER_GRACE_S + 0.1).catching_up(5)   # grace over
-    assert not _source(None, failed_ago_s=0.1).catching_up(5)              # empty / unreadable store
+def test_catching_up_while_a_published_version_is_unserved_for_at_most_the_grace(monkeypatch):
+    assert _source(6).catching_up(5)                                       # v6 published, relays serve v5
+    assert not _source(5).catching_up(5)                                   # nothing newer published
+    assert not _source(6, served=6).catching_up(5)                         # a relay serves v6: pull it
+    assert not _source(6).catching_up(6)                                   # the rollout has it
+    assert not _source(None).catching_up(5)                                # empty / unreadable store
     assert not S.RelaySource("p").catching_up(5)                           # no store to ask
     assert not S.WeightSource().catching_up(5)
+    src, now = _source(6), [1000.0]
+    monkeypatch.setattr(S.time, "monotonic", lambda: now[0])
+    assert src.catching_up(5)
+    now[0] += S.FAILOVER_GRACE_S - 0.1
+    assert src.catching_up(5)
+    now[0] += 0.2                                                          # v6 never came: go on
+    assert not src.catching_up(5)
+    src.fallback.newest = 7                                                # v7: a grace of its own
+    assert src.catching_up(5)
 
 
 class _Engine:
