@@ -4,7 +4,8 @@ relays, manager) on a 2-node emulated cluster, with faults injected for real whi
     rollout   ray.kill of a live rollout, every --rollout-every s      (manager replaces it)
     relay     ray.kill of a relay that is not the master, every --relay-every s (restarted; its
               rollouts read the weight store meanwhile)
-    master    ray.kill of the master relay, once at --master-at s      (the next one takes over)
+    master    ray.kill of the master relay, once at --master-at s, as soon as its standby is
+              warm (STANDBY_WAIT_S at most)                           (the next one takes over)
     learner   ray.kill of the learner, once at --learner-at s; the run is then started again on
               the same run folder, which resumes from its last checkpoint (run.checkpoint_every)
 
