@@ -4,7 +4,8 @@ relays, manager) on a 2-node emulated cluster, with faults injected for real whi
     rollout   ray.kill of a live rollout, every --rollout-every s      (manager replaces it)
     relay     ray.kill of a relay that is not the master, every --relay-every s (restarted; its
               rollouts read the weight store meanwhile)
-    master    ray.kill of the master relay, once at --master-at s      (the next one takes over)
+    master    ray.kill of the master relay, once at --master-at s, as soon as its standby is
+              warm (STANDBY_WAIT_S at most)                           (the next one takes over)
     learner   ray.kill of the learner, once at --learner-at s; the run is then started again on
               the same run folder, which resumes from its last checkpoint (run.checkpoint_every)
 
@@ -73,11 +74,18 @@ def schedule(duration_s: float, *, rollout_every: float, relay_every: float, mas
     return sorted((float(t), k) for t, k in faults)
 
 
-class Chaos:
-    """The on_step hook: fires the faults that are due, records every step, stops at the end."""
+# the master fault waits (at most this long past its time) until the standby master is warm: a
+# master killed seconds after its only standby was itself restarted fails over to a cold relay,
+# a double fault that costs a first orbax restore, not a failover (reported as standby_warm)
+STANDBY_WAIT_S = 30.0
 
-    def __init__(self, faults: list[tuple[float, str]], duration_s: float, probe=None):
-        self.pending, self.duration_s = list(faults), duration_s
+
+class Chaos:
+    """The on_step hook: fires the faults that are due, records every step, stops at the end
+    (and no sooner than tail_s after the last fault, so its recovery falls inside the run)."""
+
+    def __init__(self, faults: list[tuple[float, str]], duration_s: float, probe=None, tail_s: float = 0.0):
+        self.pending, self.duration_s, self.tail_s = list(faults), duration_s, tail_s
         self.probe, self.probed = probe, None   # probe(fleet) -> dict, on a thread from the first step
         self._probe_thread = None
         self.relay_checks: int | None = None
@@ -104,13 +112,22 @@ class Chaos:
         self.steps.append({"step": step, "t": now, "consumed": metrics["consumed_trajectories"],
                            "version": metrics["version"], "staleness_max": metrics["staleness_max"]})
         while self.pending and now - self.t0 >= self.pending[0][0]:
-            at, kind = self.pending.pop(0)
+            at, kind = self.pending[0]
+            warm = None
+            if kind == "master" and fleet.relays is not None:
+                warm = fleet.relays.standby_warm()   # None: no standby yet (a restart pending)
+                if not warm and now - self.t0 < at + STANDBY_WAIT_S:
+                    break   # asked again at the next step
+            self.pending.pop(0)
             target = self._fire(kind, fleet)
             self.fired.append({"kind": kind, "at_s": at, "t": time.time(), "target": target,
-                               "step": step, "version": metrics["version"]})
+                               "step": step, "version": metrics["version"],
+                               **({"standby_warm": warm} if kind == "master" else {})})
             if kind == "learner":
                 return   # the driver's next wait sees the dead learner
-        if now - self.t0 >= self.duration_s:
+        last = self.fired[-1]["t"] if self.fired else self.t0
+        if now - self.t0 >= self.duration_s and (not self.pending or now - self.t0 >= self.duration_s
+                                                 + STANDBY_WAIT_S) and now - last >= self.tail_s:
             self.accounting = ray.get(fleet.data.accounting.remote(), timeout=60)
             self.counters = ray.get(fleet.manager.report.remote(), timeout=60)["counters"]
             self.relay_checks = None if fleet.relays is None else fleet.relays.checks
@@ -200,6 +217,7 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
         if f["kind"] in ("rollout", "learner"):
             ends.setdefault(f["target"] if f["kind"] == "rollout" else None, []).append(f["t"])
     reached = _reached(by("pull"), written, t, ends)
+    reached_path = _reached(by("pull"), written, t, ends, batches=by("batch"), path=True)
     failover: dict = {}
     rows = []
     rate = _mean_rate(chaos.steps)
@@ -219,14 +237,21 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
             # -> every live relay serves it, and -> every rollout that goes on has it
             fault_versions.update(v for v in written if f["t"] - 1 < written[v] <= f["t"] + window_s)
             # the next version: the first one the surviving relays had not all served at the kill
-            # (it may have been written just before, and reached only the dead master)
+            # (it may have been written just before, and reached only the dead master); a relay
+            # restarted before the kill may have skipped older versions: its newest one counts
             old = {e["relay"] for e in by("relay_received") if t(e) < f["t"]} - {f["target"]}
-            served = {}
-            for e in by("relay_received"):
-                if e["relay"] in old:
-                    served.setdefault(e["version"], []).append(t(e))
-            nxt = min((v for v in written if written[v] > f["t"] - 5.0
-                       and (len(served.get(v, [])) < len(old) or max(served[v]) > f["t"])), default=None)
+            for r in list(old):   # alive at the kill: not dead then, or started again since
+                dead = [t(e) for e in by("relay_dead") if e["relay"] == r and t(e) < f["t"]]
+                if dead and not any(e["relay"] == r and max(dead) < t(e) < f["t"] for e in by("relay_started")):
+                    old.discard(r)
+            newest = {r: max(e["version"] for e in by("relay_received") if e["relay"] == r and t(e) < f["t"])
+                      for r in old}
+            if not old:   # no relay survived (a double fault): the ones that serve after the kill
+                old = {e["relay"] for e in by("relay_received") if t(e) > f["t"]}
+                newest = {f["target"]: max((e["version"] for e in by("relay_received")
+                                            if e["relay"] == f["target"] and t(e) < f["t"]), default=-1)}
+            have = min(newest.values(), default=-1)
+            nxt = min((v for v in written if v > have), default=None)
             if nxt is not None:
                 # each surviving relay's first version >= nxt (a new master skips to the newest)
                 firsts = {}
@@ -235,8 +260,16 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
                         firsts.setdefault(e["relay"], t(e))
                 got = list(firsts.values()) if len(firsts) == len(old) else []
                 reach = reached.get(nxt)
+                # the failover's own part: from the kill, or from the publish when it came later
+                # (time the dead master spent on a version before it died is not the failover's)
+                since = max(written[nxt], f["t"])
+                from_kill = _reached(by("pull"), {nxt: written[nxt]}, t, ends, batches=by("batch"), path=True,
+                                     since={nxt: since})
                 failover.update(version=nxt, relays_s=max(got) - written[nxt] if got else None,
-                                rollouts_s=reach)
+                                rollouts_s=reach, rollouts_path_s=reached_path.get(nxt),
+                                written_before_kill_s=max(0.0, f["t"] - written[nxt]),
+                                relays_from_kill_s=max(got) - since if got else None,
+                                rollouts_from_kill_s=from_kill.get(nxt))
                 if reach is not None:
                     rec = written[nxt] + reach - f["t"]
                 new_master = [e["new"] for e in by("master_failover") if e.get("old") == f["target"]]
@@ -248,10 +281,14 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
         rows.append(dict(f, recover_s=rec, note=note, dip=_dip(chaos.steps, f["t"], window_s, rate)))
     normal = [s for v, s in broadcast.items() if v not in fault_versions]
     normal_reach = [s for v, s in reached.items() if v not in fault_versions]
-    for key, values in (("relays_s", normal), ("rollouts_s", normal_reach)):
+    normal_path = [s for v, s in reached_path.items() if v not in fault_versions]
+    for key, values in (("relays_s", normal), ("rollouts_s", normal_reach), ("rollouts_path_s", normal_path)):
         failover[f"normal_{key}"] = float(np.median(values)) if values else None
         if failover.get(key) is not None and failover[f"normal_{key}"]:
             failover[f"ratio_{key[:-2]}"] = failover[key] / failover[f"normal_{key}"]
+    for key, normal_key in (("relays_from_kill_s", "normal_relays_s"), ("rollouts_from_kill_s", "normal_rollouts_path_s")):
+        if failover.get(key) is not None and failover.get(normal_key):
+            failover[f"ratio_{key[:-2]}"] = failover[key] / failover[normal_key]
     traj = load_run(run_dir).trajectories
     per_group = traj.groupby("group_id").size()
     dup_samples = int(traj.duplicated(["group_id", "sample_index"]).sum())
@@ -268,23 +305,41 @@ def analyse(run_dir: str, chaos: Chaos, *, group_size: int, window_s: float, res
 
 
 def _reached(pulls: list[dict], written: dict[int, float], t,
-             ends: dict[str | None, list[float]] | None = None) -> dict[int, float]:
+             ends: dict[str | None, list[float]] | None = None, batches: list[dict] | None = None,
+             path: bool = False, since: dict[int, float] | None = None) -> dict[int, float]:
     """Per version v: seconds from its publish_written until every rollout live then (it had
     pulled weights before, and was not killed before it held v) holds v or newer (a rollout may
     skip v for a newer one: that counts as reached). `ends`: kill times per rollout name (None:
-    of every rollout); pulls after a kill belong to another life of that name."""
+    of every rollout); pulls after a kill belong to another life of that name.
+
+    path=True: the weight path's part only. A rollout in the middle of a batch it began before
+    v was written cannot load v until that batch ends (laminar mode loads between batches), so
+    its time counts from the batch's end (the pull's `free_since`). A batch it began after v was
+    written, on older weights, counts in full: v existed and had not reached it. `since`: per
+    version, a later time to count from (a master fault: the kill, when v was written before)."""
     ends = ends or {}
-    lives: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    lives: dict[tuple[str, int], list[tuple[int, float, float | None]]] = {}
+    life_of = lambda e: (e["rollout"], sum(1 for c in ends.get(e["rollout"], []) + ends.get(None, [])  # noqa: E731
+                                           if c <= t(e)))
     for e in sorted(pulls, key=t):
-        cuts = sorted(ends.get(e["rollout"], []) + ends.get(None, []))
-        life = sum(1 for c in cuts if c <= t(e))
-        lives.setdefault((e["rollout"], life), []).append((e["version"], t(e)))
+        lives.setdefault(life_of(e), []).append((e["version"], t(e), e.get("free_since")))
+    started: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    for e in batches or []:
+        started.setdefault(life_of(e), []).append((t(e), e["version"]))
     out = {}
     for v, tw in written.items():
-        times = [next(ts for ver, ts in seq if ver >= v) for seq in lives.values()
-                 if seq[0][1] < tw and any(ver >= v for ver, _ in seq)]   # live when v came out
+        times = []
+        for key, seq in lives.items():
+            if not (seq[0][1] < tw and any(ver >= v for ver, _, _ in seq)):   # live when v came out
+                continue
+            tp, free = next((ts, f) for ver, ts, f in seq if ver >= v)
+            start = max(tw, (since or {}).get(v, tw))
+            old_batch = any(tw < tb < tp and bv < v for tb, bv in started.get(key, []))
+            if path and free is not None and free > start and not old_batch:
+                start = min(free, tp)
+            times.append(tp - start)
         if times:
-            out[v] = max(max(times) - tw, 0.0)
+            out[v] = max(max(times), 0.0)
     return out
 
 
@@ -308,14 +363,14 @@ def _dip(steps: list[dict], t_fault: float, window_s: float, rate: float) -> flo
 
 def run_chaos(model_dir: str, work: str, name: str, *, duration_s: float, faults: list[tuple[float, str]],
               rollouts: int = 4, groups: int = 4, latency_scale: float = 4.0, window_s: float = 20.0,
-              quiet: bool = True, extra: dict | None = None, probe=None) -> dict:
+              quiet: bool = True, extra: dict | None = None, probe=None, tail_s: float = 0.0) -> dict:
     """One chaos run on the Ray cluster this process is connected to; returns the report dict.
     `extra`: more config overrides; `probe(fleet) -> dict` runs on a thread from the first step."""
     from laminar_jax.runtime import driver
     from experiments.compare_modes import latency_model
     cfg = config(work, name, model_dir, rollouts=rollouts, groups=groups, extra=extra)
     run_dir = os.path.join(work, name)
-    chaos = Chaos(faults, duration_s, probe=probe)
+    chaos = Chaos(faults, duration_s, probe=probe, tail_s=tail_s)
     t_start = time.time()
     resumed_at, outcome = None, "finished"
     try:
@@ -373,7 +428,11 @@ def _failover_line(m: dict) -> str:
     ratio = lambda k: "n/a" if m.get(k) is None else f"{m[k]:.1f}x"  # noqa: E731
     return (f"first version after the master's death (v{m['version']}): every relay {_s(m.get('relays_s'))} "
             f"({ratio('ratio_relays')} normal), every rollout {_s(m.get('rollouts_s'))} "
-            f"({ratio('ratio_rollouts')} normal)")
+            f"({ratio('ratio_rollouts')} normal; weight path only, batch ends excluded: "
+            f"{_s(m.get('rollouts_path_s'))}, {ratio('ratio_rollouts_path')} normal)\n"
+            f"  written {_s(m.get('written_before_kill_s'))} before the kill; from the kill (or the publish, if later): "
+            f"every relay {_s(m.get('relays_from_kill_s'))} ({ratio('ratio_relays_from_kill')} normal), every rollout "
+            f"{_s(m.get('rollouts_from_kill_s'))} ({ratio('ratio_rollouts_from_kill')} normal)")
 
 
 def reanalyse(path: str) -> dict:
@@ -409,6 +468,7 @@ def main(argv=None) -> dict:
     p.add_argument("--learner-at", type=float, default=480.0)
     p.add_argument("--latency-scale", type=float, default=4.0)
     p.add_argument("--window", type=float, default=20.0, help="seconds after a fault the dip is measured over")
+    p.add_argument("--tail", type=float, default=20.0, help="seconds the run goes on after its last fault at least")
     p.add_argument("--short", action="store_true", help="~2 minutes, 3 faults: rollout, relay, master")
     p.add_argument("--name", default="chaos")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments/results"))
@@ -420,6 +480,7 @@ def main(argv=None) -> dict:
         return reanalyse(args.reanalyse)
     if args.short:
         faults, duration = [(15.0, "rollout"), (35.0, "relay"), (55.0, "master")], 90.0
+        args.tail = max(args.tail, 15.0)
     else:
         faults, duration = schedule(args.duration, rollout_every=args.rollout_every, relay_every=args.relay_every,
                                     master_at=args.master_at, learner_at=args.learner_at), args.duration
@@ -444,7 +505,7 @@ def main(argv=None) -> dict:
     try:
         report = run_chaos(model_dir, args.work, f"{args.name}-{int(time.time())}", duration_s=duration,
                            faults=faults, rollouts=args.rollouts, latency_scale=args.latency_scale,
-                           window_s=args.window, quiet=False)
+                           window_s=args.window, quiet=False, tail_s=args.tail)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -28,10 +28,10 @@ import numpy as np
 
 from laminar_jax.data.records import PartialTrajectory, PromptGroup, Trajectory, parse_request_id, request_id
 from laminar_jax.manager import modes
+from laminar_jax.weights.source import WeightSource
 from rollout.engine import Request, SamplingParams
 from rollout.multiturn import MultiTurn
-from laminar_jax.runtime.rpc import call, node_id, send
-from laminar_jax.runtime.weights_source import WeightSource
+from rollout.rpc import call, node_id, send
 
 # longest an idle rollout blocks waiting for newer weights before it asks the data actor for work
 # again (work not tied to a new version: re-queued groups, a buffer that drained)
@@ -70,6 +70,7 @@ class RolloutWorker:
         self._events: list[dict] = []
         self._steps_since_stream, self._last_stream = 0, time.time()
         self._last_poll = 0.0
+        self._had_work, self._free_since = False, None
         # Highest KV use of the batch in hand: the manager's ramp-down test compares against it.
         self._kv_peak = 0.0
         # time split (seconds): decode = engine steps, pull = reading newer weights, reload =
@@ -77,7 +78,8 @@ class RolloutWorker:
         # blocked waiting for weights while idle (part of idle_s, with the idle loop turns)
         self.counters = dict(idle_s=0.0, busy_s=0.0, decode_s=0.0, pull_s=0.0, reload_s=0.0, rpc_s=0.0,
                              reward_s=0.0, wait_s=0.0, tokens=0, steps=0, kv_time=0.0, pulls=0,
-                             groups_delivered=0, reward_errors=0, decode_errors=0, released=0, adopted=0, interrupts=0)
+                             groups_delivered=0, reward_errors=0, decode_errors=0, released=0, adopted=0, interrupts=0,
+                             catch_up_waits=0)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens,
@@ -169,6 +171,9 @@ class RolloutWorker:
 
     def _tick(self) -> bool:
         in_flight = self._in_flight()
+        if self._had_work and not in_flight:   # the batch in hand just ended (pull events say when)
+            self._free_since = time.time()
+        self._had_work = in_flight
         if modes.may_pull_weights(self.mode, in_flight=int(in_flight), released=self._released):
             self._maybe_pull(in_flight)
         if self.engine is None:
@@ -176,7 +181,8 @@ class RolloutWorker:
         self._retry_undelivered()
         # groups being scored count as undelivered: new work waits for them as it did when scoring
         # blocked the loop (the mode's batch rules are unchanged); decoding goes on meanwhile
-        if not self.undelivered and not self._scoring and (not self.groups or modes.refills_continuously(self.mode)):
+        if not self.undelivered and not self._scoring and (not self.groups or modes.refills_continuously(self.mode)) \
+                and not self._catching_up():
             self._take()
         if self.turns is not None:
             self._poll_turns()
@@ -245,13 +251,26 @@ class RolloutWorker:
             self.engine.add([p.to_request() for p in partials])
             self.counters["interrupts"] += bool(partials)
         self.counters["reload_s"] += time.perf_counter() - t0
-        self._pulled(version, in_flight)
+        self._pulled(version, in_flight, load_s=time.perf_counter() - t0)
 
-    def _pulled(self, version: int, in_flight: bool) -> None:
+    def _pulled(self, version: int, in_flight: bool, load_s: float | None = None) -> None:
         self._released = False
         self.counters["pulls"] += 1
+        # seen_t: when the source learnt of the newest version (a relay's watcher); read_s: its
+        # read; load_s: the engine's load. The time from a relay serving a version to its
+        # rollout holding it splits into these and the wait for the rollout's batch to end
+        # (free_since: when the last batch's work ended; laminar mode loads only between batches).
         self._event("pull", version=version, interrupted=int(in_flight), engine=getattr(self.engine, "kind", None),
-                    node=node_id(), relay_node=self.weights.node())
+                    node=node_id(), relay_node=self.weights.node(), seen_t=getattr(self.weights, "seen_t", None),
+                    read_s=getattr(self.weights, "read_s", None), load_s=load_s, free_since=self._free_since)
+
+    def _catching_up(self) -> bool:
+        """Newer weights are published and the source is failing over to reach them (bounded by
+        its grace): new work waits for them, or it would run a whole batch on replaced weights."""
+        if not self.weights.catching_up(self.engine.weight_version):
+            return False
+        self.counters["catch_up_waits"] += 1
+        return True
 
     def _take(self) -> None:
         free = self.groups_per_batch - len(self.groups)

@@ -26,7 +26,7 @@ import ray
 from ray._private import ray_constants
 
 from laminar_jax.config_loader import ConfigError
-from laminar_jax.runtime import compile_cache
+from laminar_jax.runtime import compile_cache, reaper
 
 LOGICAL_CPUS = 16
 LOOPBACK = "127.0.0.1"
@@ -51,6 +51,7 @@ def start(cfg: Any) -> bool:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"   # the processes Ray starts
     ray_constants.ENABLE_RAY_CLUSTER = False                # this one (module docstring)
+    reaper.start()   # a SIGKILL of this process leaves no Ray process behind (runtime.reaper)
     ray.init(address="local", num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True,
              _node_ip_address=LOOPBACK,
              runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),

@@ -29,7 +29,7 @@ from laminar_jax.rewards.registry import RewardScorer, resolve_reward
 from laminar_jax.runtime import cluster, engines
 from laminar_jax.runtime.data_actor import CONCURRENCY_GROUPS, DataActor
 from laminar_jax.runtime.learner_actor import Learner
-from laminar_jax.runtime.weights_source import RelaySource, StoreSource
+from laminar_jax.weights.source import RelaySource, StoreSource
 from laminar_jax.weights.publish import WeightStore
 from rollout.worker import RolloutWorker
 

@@ -60,6 +60,7 @@ __all__ = ["RelayWorker", "Snapshot", "pull", "read", "TRANSPORTS"]
 TRANSPORTS = ("tcp", "object_store")
 STANDBY_WAIT_S = 600.0   # how long a standby master waits for the store's first version to warm on
 STANDBY_POLL_S = 0.5
+STANDBY_TRIES = 5        # the version a standby restores may be pruned under it: the newest again
 MAX_WAIT_S = 300.0       # the longest a `wait_newer` call waits inside the relay
 
 
@@ -133,6 +134,7 @@ class RelayWorker:
                                 token=stream_token, idle_timeout_s=idle_timeout_s,
                                 host_key=self._host_key if shared_links else None)
         self._role: master.MasterRole | None = None
+        self._warm = False           # ran one master step (standby, or master since a publish)
         self._server = None
         if transport == "tcp":
             host = host or ray.util.get_node_ip_address()
@@ -177,11 +179,20 @@ class RelayWorker:
             if not versions or self._role is not None:   # nothing to read, or master already
                 self._log("standby_ready", warmed=False)
                 return
-            try:
-                _, _, timings = master.prepare(role, versions[-1], role.store.path(versions[-1]))
-            except Exception as e:  # noqa: BLE001 - pruned meanwhile: the imports are warm anyway
-                self._log("standby_ready", warmed=False, error=repr(e))
+            timings, error = None, None
+            for _ in range(STANDBY_TRIES):
+                if not versions or self._role is not None:
+                    break
+                try:
+                    _, _, timings = master.prepare(role, versions[-1], role.store.path(versions[-1]))
+                    break
+                except Exception as e:  # noqa: BLE001 - pruned meanwhile (a slow restore): the newest again
+                    error = e
+                    versions = role.store.versions() if os.path.isdir(role.store.root) else []
+            if timings is None:
+                self._log("standby_ready", warmed=False, error=repr(error))
                 return
+            self._warm = True
             self._log("standby_ready", warmed=True, version=versions[-1], **timings)
         threading.Thread(target=warm, name="standby-warm", daemon=True).start()
 
@@ -203,7 +214,14 @@ class RelayWorker:
         return self._host_key
 
     def configure_master(self, role: master.MasterRole) -> None:
-        self._role = role
+        """Makes this relay the master (or updates its role). A relay just promoted restores the
+        store's newest version at once, without waiting for the publisher's re-announcement
+        (one more hop through the learner, slow on a loaded machine); that one is then skipped."""
+        promoted, self._role = self._role is None, role
+        if promoted:
+            versions = role.store.versions() if os.path.isdir(role.store.root) else []
+            if versions:
+                self.publish(versions[-1], role.store.path(versions[-1]))
 
     def set_downstream(self, downstream: list) -> None:
         """New downstream relay handles (one in a chain, all others for a fan-out master). The
@@ -250,7 +268,7 @@ class RelayWorker:
         return self._versions.chunks_held(version)
 
     def status(self) -> dict:
-        return {"name": self.name, "master": self._role is not None, "transport": self.transport,
+        return {"name": self.name, "master": self._role is not None, "warm": self._warm, "transport": self.transport,
                 **self._versions.status(), "downstream": len(self._down)}
 
     def drain_events(self) -> list[dict]:
@@ -297,6 +315,7 @@ class RelayWorker:
 
         manifest, buffer, timings = master.prepare(
             role, version, path, allocate=None if self._pool is None else allocate)
+        self._warm = True
         source = shared[0] if shared else None
         self._log("master_restored", version=version, bytes=int(buffer.size),
                   chunks=manifest.num_chunks, **timings)

@@ -25,9 +25,10 @@ That relay is warm: the next master in line always runs one master step ahead of
 first orbax restore. A dead relay whose node is still alive is started again (up to
 `max_restarts` per group) and appended to the chain; its upstream resends it the current
 version. The start does not block the group (the heartbeat moves it on), and after a master
-failover it waits for the new master's first broadcast (RESTART_DEFER_S at most): a relay
-process starting takes the cores that broadcast needs. Meanwhile the rollouts of that node read the weight store directly
-(`runtime.weights_source.RelaySource`), so a relay's death never costs a rollout.
+failover it waits for the new master's first broadcast and RESTART_SETTLE_S more while the rollouts
+load it (RESTART_DEFER_S at most): a relay process starting takes the cores they need.
+Meanwhile the rollouts of that node read another node's relay, or the weight store
+(`weights.source.RelaySource`), so a relay's death never costs a rollout.
 `start_monitor(interval_s)` runs `check` on a thread, so a master's death is repaired within about
 interval_s, not at the driver's next relay check. Every control call has a timeout (CALL_TIMEOUT_S).
 
@@ -59,6 +60,8 @@ MAX_CHUNK_BYTES = {"tcp": 16 * 2**20, "object_store": 64 * 2**20}
 CALL_TIMEOUT_S = 300.0   # generous: a relay process starting on a loaded machine takes a minute
 # after a master failover, relay restarts wait for the new master's first broadcast, this long at most
 RESTART_DEFER_S = 10.0
+# ... and then this much longer, while the rollouts load that broadcast
+RESTART_SETTLE_S = 1.5
 MASTER_POLL_S = 5.0     # the heartbeat's question to the master about its served version
 WATCH_S = 30.0          # length of one relay `watch` call of the monitor (re-armed when it returns)
 LOOPBACK = "127.0.0.1"
@@ -249,6 +252,19 @@ class RelayGroup:
         return dict(zip(self.order, ray.get([self.relays[n].status.remote() for n in self.order],
                                             timeout=CALL_TIMEOUT_S)))
 
+    def standby_warm(self, timeout_s: float = 10.0) -> bool | None:
+        """Whether the next master in line has run a master step (`prepare_standby`); None when
+        there is none. A master killed before its standby is warm fails over to a cold relay,
+        whose first orbax restore takes seconds (the chaos benchmark waits for this)."""
+        with self._lock:
+            if len(self.order) < 2:
+                return None
+            standby = self.relays[self.order[1]]
+        try:
+            return bool(ray.get(standby.status.remote(), timeout=timeout_s)["warm"])
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
     def collect_events(self) -> list[dict]:
         """Drains every live relay's events into the group's sink; returns them."""
         with self._lock:
@@ -323,6 +339,10 @@ class RelayGroup:
         now = time.monotonic()
         for node, job in list(self._pending.items()):
             if job.handle is None:
+                if job.after is not None and now < job.due and self._served_by_master() > job.after:
+                    # the new master broadcast: its rollouts load that version next (a few
+                    # tenths of a second); a process starting now would take their cores
+                    job.due, job.after = min(job.due, now + RESTART_SETTLE_S), None
                 if now < job.due and (job.after is None or self._served_by_master() <= job.after):
                     continue
                 job.handle, job.ping, job.started = self._start(node), None, now
