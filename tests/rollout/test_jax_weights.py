@@ -10,7 +10,6 @@ from flax import nnx
 from laminar_jax.models.config import DecoderConfig
 from laminar_jax.models.hf import hf_to_params, name_map, params_to_hf
 from laminar_jax.weights import flat
-from rollout import engine as E
 from rollout.jax_engine import JaxEngine
 from rollout.jax_served import served_map
 from rollout.jax_weights import WeightPlan
