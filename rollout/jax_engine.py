@@ -32,11 +32,14 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.models.config import DecoderConfig
-from laminar_jax.models.decoder import from_params
-from laminar_jax.models.hf import load_pretrained
+from laminar_jax.models.decoder import Decoder
+from laminar_jax.models.hf import load_pretrained, name_map, params_to_hf
 from rollout import engine as E
+from rollout.jax_served import ServedDecoder, served_map
 from rollout.jax_steps import make_step_fns
 from rollout.jax_weights import WeightPlan
+
+WEIGHT_LAYOUTS = ("served", "decoder")
 
 
 def _pow2_bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -72,14 +75,19 @@ class _Seq:
 class JaxEngine:
     """`JaxEngine(cfg, params, max_num_seqs=16, max_model_len=None, page_size=16, num_pages=None)`.
 
-    `params`: the decoder's params pure dict (numpy or jax leaves). `max_model_len` defaults to
+    `params`: the decoder's params pure dict (numpy or jax leaves), or instead `hf_tensors`: the
+    HF-named tensors a relay serves (`params_to_hf`'s names and shapes; what the runtime's
+    factory passes, with no conversion). `weight_layout`: "served" (the default; the relay's
+    layout, so a switch is one plain copy: `rollout.jax_served`) or "decoder" (the learner's;
+    the default and the only choice in zero-mismatch mode). `max_model_len` defaults to
     `cfg.max_position_embeddings`; `num_pages` (the KV budget, in pages of `page_size` tokens)
     defaults to enough for `max_num_seqs` full-length requests. `seed` seeds the per-request seeds
     of requests without one. `min_rows` / `min_window_pages` raise the smallest row and window
     buckets (fewer compiled shapes, more padding). Implements `rollout.engine.RolloutEngine`.
     """
 
-    def __init__(self, cfg: DecoderConfig, params, *, max_num_seqs: int = 16, max_model_len: int | None = None,
+    def __init__(self, cfg: DecoderConfig, params=None, *, hf_tensors: Mapping | None = None,
+                 weight_layout: str | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, max_prefill_tokens: int = 4096,
                  min_rows: int = 1, min_window_pages: int = 1, weight_version: int = 0, seed: int = 0):
         self.cfg = cfg
@@ -96,8 +104,7 @@ class JaxEngine:
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.min_rows, self.min_window_pages = int(min_rows), int(min_window_pages)
         self.weight_version = int(weight_version)
-        self._graphdef, self._params = nnx.split(from_params(cfg, params), nnx.Param)
-        self._weight_plan = WeightPlan(cfg, nnx.to_pure_dict(self._params))  # version switches
+        self._init_weights(cfg, params, hf_tensors, weight_layout)
         shape = (cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         self._k = jnp.zeros(shape, jnp.dtype(cfg.dtype))
         self._v = jnp.zeros(shape, jnp.dtype(cfg.dtype))
@@ -108,6 +115,34 @@ class JaxEngine:
         self._rng = np.random.default_rng(seed)
         self.num_preemptions = 0
         self.num_reprefills = 0  # zero-mismatch mode: requests re-prefilled after new weights
+
+    def _init_weights(self, cfg, params, hf_tensors, weight_layout) -> None:
+        """The graph, the weight plan and the first weights, through the same plan as a switch."""
+        if (params is None) == (hf_tensors is None):
+            raise ValueError("JaxEngine: pass exactly one of params (decoder layout) and hf_tensors")
+        exact = cfg.attention == "exact"
+        layout = weight_layout or ("decoder" if exact else "served")
+        if layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"JaxEngine: weight_layout={layout!r}, expected one of {WEIGHT_LAYOUTS}")
+        if exact and layout != "decoder":
+            raise ValueError("JaxEngine: zero-mismatch mode (attention 'exact') needs weight_layout='decoder'")
+        self.weight_layout = layout
+        tensors = hf_tensors if hf_tensors is not None else params_to_hf(cfg, params)
+        model = ServedDecoder if layout == "served" else Decoder
+        entries = served_map(cfg) if layout == "served" else name_map(cfg)
+        self._graphdef, state = nnx.split(nnx.eval_shape(lambda: model(cfg, nnx.Rngs(0))), nnx.Param)
+        dtypes = {e.path: np.asarray(tensors[e.hf_name]).dtype for e in entries}  # each leaf keeps its dtype
+        spec = {k: {kk: jax.ShapeDtypeStruct(v.shape, dtypes[(k, kk)]) for kk, v in sub.items()}
+                if isinstance(sub, dict) else jax.ShapeDtypeStruct(sub.shape, dtypes[(k,)])
+                for k, sub in nnx.to_pure_dict(state).items()}
+        self._weight_plan = WeightPlan(cfg, spec, entries)  # version switches (rollout.jax_weights)
+        tree = self._weight_plan.load(tensors, where="JaxEngine weights")
+        state.replace_by_pure_dict(tree)
+        flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+        self._paths = [tuple(k.key for k in path) for path, _ in flat]
+        self._params = state
+        self._treedef = jax.tree.structure(state)
+        assert self._treedef.num_leaves == len(self._paths)
 
     @classmethod
     def from_pretrained(cls, folder: str, **kwargs) -> "JaxEngine":
@@ -166,9 +201,10 @@ class JaxEngine:
         per-token `versions` record the switch.
         """
         tree = self._weight_plan.load(tensors, where=f"load_weights(version={version})")  # rollout.jax_weights
-        new = jax.tree.map(lambda x: x, self._params)
-        nnx.replace_by_pure_dict(new, tree)
-        self._params = new
+        # A new State from the leaves in flatten order: no per-Variable copy (nnx's
+        # replace_by_pure_dict was most of a tiny model's switch).
+        self._params = jax.tree.unflatten(self._treedef, [tree[p[0]] if len(p) == 1 else tree[p[0]][p[1]]
+                                                          for p in self._paths])
         self.weight_version = int(version)
 
     def stats(self) -> E.EngineStats:

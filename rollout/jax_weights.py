@@ -1,25 +1,25 @@
 """In-place version switches of the JAX engine: HF-named relay views -> the engine's param leaves.
 
-`WeightPlan(cfg, params)` is computed once per engine from the model's single name map
-(`laminar_jax.models.hf.name_map`). Per HF tensor it keeps the destination leaf, the layer slot
-on the stacked `layers` axis, and whether the copy transposes. A switch then
+`WeightPlan(cfg, leaves, entries)` is computed once per engine from a name map: the served one
+(`rollout.jax_served.served_map`, the engine's default) or the decoder's (`models.hf.name_map`,
+zero-mismatch mode). Per HF tensor it keeps the destination leaf, the layer slot on the stacked
+`layers` axis, and whether the copy transposes. A switch then
 
 1. checks every name and shape first (a missing, unexpected or mis-shaped tensor raises
    ValueError naming it, and the engine keeps its weights);
-2. writes each tensor once, straight into a host buffer of its leaf's final shape and
-   dtype (two sets, used in turn: `WeightPlan.host`) (`np.copyto` into the layer's slot, reshaped to 2-D: a plain copy for embeddings,
-   norms and biases, one transposed copy for the projection kernels; a dtype cast, if the relay
-   serves another dtype, happens in the same pass);
-3. moves each leaf to the device with one `jax.device_put` (onto the current leaf's sharding when
-   that spans several devices; on the CPU backend the aligned host buffer is aliased, no copy).
+2. writes each tensor once, straight into a host buffer of its leaf's final shape and dtype (two
+   sets, used in turn: `WeightPlan.host`): one `np.copyto` into the layer's slot per tensor, a
+   plain copy on the served layout (a dtype cast, if the relay serves another dtype, happens in
+   the same pass); on the decoder layout the projection kernels take a tiled transposed copy;
+3. puts the leaves on the device in one batched `jax.device_put` (a leaf spanning several
+   devices onto its sharding); on the CPU backend the aligned host buffers are aliased, no copy.
 
-So a switch reads the relay's views once and writes each weight twice (host buffer, device):
-no intermediate per-tensor arrays, no `np.stack`, no `jnp.asarray` conversions (the earlier path,
-`hf_to_params` + `jnp.asarray`, made ~40 plain copies' worth of traffic on the 100m preset;
-`experiments/bench_engine.py --switches`). The transposes stay: the relay serves the Hugging
-Face layout vLLM loads, and the decoder's kernels are [in, heads, head_dim]; a transposed copy
-costs a few plain copies on a CPU. The relay's views themselves are never aliased: the relay
-reuses its mapped buffer for later versions, which would change the weights under the engine.
+So on CPU a switch reads the relay's views once and writes each weight once: one plain copy
+(`counts`, asserted in tests/rollout/test_jax_weights.py; timed against a plain copy of the buffer
+in `experiments/bench_engine.py --switches`). On an accelerator the device_put is the
+host-to-device copy, on top of the host copy. The relay's views themselves are never aliased:
+the relay reuses its mapped buffer for later versions, which would change the weights under the
+engine.
 """
 from __future__ import annotations
 
@@ -106,19 +106,36 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
-class WeightPlan:
-    """`WeightPlan(cfg, leaves)`: `leaves` is the engine's params pure dict (shapes, dtypes and
-    shardings of the leaves to fill). `plan.load(tensors, where=...)` returns a new pure dict of
-    device arrays from HF-named tensors, or raises ValueError before anything is written."""
+def _aliases(array, host: np.ndarray) -> bool:
+    """Whether the device array is the host buffer itself (the CPU backend's zero-copy put)."""
+    try:
+        return array.unsafe_buffer_pointer() == host.ctypes.data
+    except Exception:  # noqa: BLE001 - sharded or non-CPU arrays have no single host pointer
+        return False
 
-    def __init__(self, cfg: DecoderConfig, leaves: Mapping):
+
+class WeightPlan:
+    """`WeightPlan(cfg, leaves, entries=None)`: `leaves` is the engine's params pure dict (shapes,
+    dtypes and shardings of the leaves to fill: arrays or `jax.ShapeDtypeStruct`s); `entries` the
+    name map onto them (default `models.hf.name_map(cfg)`, the decoder layout; the JAX engine
+    passes `rollout.jax_served.served_map(cfg)`). `plan.load(tensors, where=...)` returns a new
+    pure dict of device arrays from HF-named tensors, or raises ValueError before anything is
+    written. `plan.counts` holds the last load's counted bytes: `host_bytes` written into the
+    host buffers (`transposed_bytes` of them by a transposed copy), `device_copy_bytes` that
+    `device_put` copied (0 on CPU, where it aliases; the host-to-device copy elsewhere) and
+    `param_bytes`, the leaves' size: bytes copied per switch = host + device copy bytes."""
+
+    def __init__(self, cfg: DecoderConfig, leaves: Mapping, entries=None):
         self.cfg = cfg
-        self.slots = [_slot(e, tuple(_get(leaves, e.path).shape)) for e in name_map(cfg)]
+        entries = name_map(cfg) if entries is None else entries
+        self.slots = [_slot(e, tuple(_get(leaves, e.path).shape)) for e in entries]
         self.leaves = {s.path: (tuple(_get(leaves, s.path).shape), np_dtype(_get(leaves, s.path).dtype),
                                 _spread(_get(leaves, s.path))) for s in self.slots}
         self._shapes = {s.hf_name: s.hf_shape for s in self.slots}
         self._sets: list[dict | None] = [None, None]   # host buffers, used in turn (see `host`)
+        self._dsts: list[list | None] = [None, None]   # per set: each slot's 2-D destination view
         self._turn = 0
+        self.counts: dict[str, int] = {}
 
     def check(self, tensors: Mapping[str, np.ndarray], where: str) -> None:
         """ValueError naming the first missing, unexpected or mis-shaped tensor."""
@@ -142,35 +159,54 @@ class WeightPlan:
                 raise ValueError(f"{where}: tensor {name!r} has shape {tuple(np.shape(value))}, "
                                  f"expected {self._shapes[name]}")
 
+    def _new_set(self) -> tuple[dict, list]:
+        out = {path: _aligned_empty(shape, dtype) for path, (shape, dtype, _) in self.leaves.items()}
+        dsts = []
+        for s in self.slots:  # views computed once per set: a switch is then one copy call per tensor
+            dst = (out[s.path] if s.layer is None else out[s.path][s.layer]).reshape(s.dst_2d)
+            assert np.shares_memory(dst, out[s.path]), s.hf_name  # a slot is contiguous: a view
+            dsts.append(dst)
+        return out, dsts
+
     def host(self, tensors: Mapping[str, np.ndarray]) -> dict[tuple[str, ...], np.ndarray]:
         """Each leaf as one host array, every tensor written once into its slot.
 
         Two sets of buffers, used in turn: on CPU the device arrays alias them, so the set being
-        written must not be the one the engine's live params use (the other set, or the
-        constructor's arrays); a set is reused two switches later, when nothing refers to its
-        arrays any more (`JaxEngine.load_weights` replaces the params, steps are synchronous).
-        Reusing memory matters: first-touch page faults of a fresh 400 MB cost ~2.7 plain
-        copies on this VM."""
-        out = self._sets[self._turn]
-        if out is None:
-            out = {path: _aligned_empty(shape, dtype) for path, (shape, dtype, _) in self.leaves.items()}
-            self._sets[self._turn] = out
-        self._turn = 1 - self._turn
-        for s in self.slots:
-            dst = out[s.path] if s.layer is None else out[s.path][s.layer]
+        written must not be the one the engine's live params use (the other set); a set is
+        reused two switches later, when nothing refers to its arrays any more
+        (`JaxEngine.load_weights` replaces the params, steps are synchronous). Reusing memory
+        matters: first-touch page faults of a fresh 400 MB cost ~2.7 plain copies on this VM."""
+        k = self._turn
+        if self._sets[k] is None:
+            self._sets[k], self._dsts[k] = self._new_set()
+        self._turn = 1 - k
+        written = transposed = 0
+        for s, dst in zip(self.slots, self._dsts[k]):
             src = np.asarray(tensors[s.hf_name])
             if s.transpose:
-                _transpose_into(dst.reshape(s.dst_2d), src)
+                _transpose_into(dst, src)
+                transposed += dst.nbytes
             else:
-                np.copyto(dst.reshape(s.dst_2d), src.reshape(s.dst_2d), casting="unsafe")
-        return out
+                np.copyto(dst, src.reshape(s.dst_2d), casting="unsafe")
+            written += dst.nbytes
+        self.counts = dict(host_bytes=written, transposed_bytes=transposed)
+        return self._sets[k]
 
     def load(self, tensors: Mapping[str, np.ndarray], *, where: str) -> dict:
-        """Checked, assembled on the host, one device_put per leaf: the new params pure dict."""
+        """Checked, assembled on the host, put on the device: the new params pure dict. The
+        unsharded leaves go in one batched `device_put` (one call's fixed cost, not one per leaf)."""
         self.check(tensors, where)
-        tree: dict = {}
-        for path, value in self.host(tensors).items():
-            sharding = self.leaves[path][2]
-            _set(tree, path, jax.device_put(value, sharding) if sharding is not None else jax.device_put(value))
+        host = self.host(tensors)
+        plain = [p for p in host if self.leaves[p][2] is None]
+        put = dict(zip(plain, jax.device_put([host[p] for p in plain])))
+        for p in host:
+            if p not in put:
+                put[p] = jax.device_put(host[p], self.leaves[p][2])
         # done reading the host set (an accelerator's copy is asynchronous) before it can be reused
-        return jax.block_until_ready(tree)
+        jax.block_until_ready(list(put.values()))
+        self.counts.update(device_copy_bytes=sum(host[p].nbytes for p, a in put.items() if not _aliases(a, host[p])),
+                           param_bytes=sum(h.nbytes for h in host.values()))
+        tree: dict = {}
+        for p, value in put.items():
+            _set(tree, p, value)
+        return tree

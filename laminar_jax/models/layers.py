@@ -63,12 +63,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _in_proj(p: dict, name: str, x: jax.Array, heads: int) -> jax.Array:
+    """x [B, T, E] -> [B, T, heads, D] through `{name}_kernel` [E, heads, D] (the decoder's layout),
+    or through `{name}_proj` [heads*D, E], the Hugging Face layout the relays serve: the JAX engine
+    computes on the served weights as they are, so a version switch copies without transposing
+    (`rollout.jax_served`)."""
+    if name + "_kernel" in p:
+        return jnp.einsum("bte,ehd->bthd", x, p[name + "_kernel"].astype(x.dtype))
+    y = jnp.einsum("bte,fe->btf", x, p[name + "_proj"].astype(x.dtype))
+    return y.reshape(*y.shape[:-1], heads, -1)
+
+
 def qkv_projection(cfg: DecoderConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """Project x [B, T, E] to RoPE'd q [B, T, H, D] and k, v [B, T, K, D] in the compute dtype."""
     dt = x.dtype
-    q = jnp.einsum("bte,ehd->bthd", x, p["q_kernel"].astype(dt))
-    k = jnp.einsum("bte,ekd->btkd", x, p["k_kernel"].astype(dt))
-    v = jnp.einsum("bte,ekd->btkd", x, p["v_kernel"].astype(dt))
+    q = _in_proj(p, "q", x, cfg.num_heads)
+    k = _in_proj(p, "k", x, cfg.num_kv_heads)
+    v = _in_proj(p, "v", x, cfg.num_kv_heads)
     if cfg.qkv_bias:
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
@@ -100,12 +111,19 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
 
 def attention_output(p: dict, attn: jax.Array) -> jax.Array:
+    if "o_kernel" not in p:  # served layout [E, H*D] (see `_in_proj`)
+        flat = attn.reshape(*attn.shape[:-2], -1)
+        return jnp.einsum("btf,ef->bte", flat, p["o_proj"].astype(attn.dtype))
     return jnp.einsum("bthd,hde->bte", attn, p["o_kernel"].astype(attn.dtype))
 
 
 def swiglu_mlp(p: dict, x: jax.Array) -> jax.Array:
     """down(silu(gate(x)) * up(x))."""
     dt = x.dtype
+    if "gate_kernel" not in p:  # served layout: gate/up [M, E], down [E, M] (see `_in_proj`)
+        gate = jnp.einsum("bte,me->btm", x, p["gate_proj"].astype(dt))
+        up = jnp.einsum("bte,me->btm", x, p["up_proj"].astype(dt))
+        return jnp.einsum("btm,em->bte", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
     gate = jnp.einsum("bte,em->btm", x, p["gate_kernel"].astype(dt))
     up = jnp.einsum("bte,em->btm", x, p["up_kernel"].astype(dt))
     return jnp.einsum("btm,me->bte", jax.nn.silu(gate) * up, p["down_kernel"].astype(dt))

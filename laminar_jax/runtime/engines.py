@@ -181,14 +181,13 @@ class EngineFactory:
         return engine if self.latency_model is None else LatencyEngine(engine, self.latency_model)
 
     def _jax(self, mcfg, tensors, version, max_len):
-        from laminar_jax.models.hf import hf_to_params
         from laminar_jax.runtime import compile_cache
         from rollout.jax_engine import JaxEngine
 
         compile_cache.enable(self.cfg.run.compile_cache)
         r = self.cfg.rollout
         pages_per_seq = -(-max_len // PAGE_SIZE)
-        engine = JaxEngine(mcfg, hf_to_params(mcfg, tensors, source=f"weights v{version}"),
+        engine = JaxEngine(mcfg, hf_tensors=tensors,  # the relay's layout as it is (rollout.jax_served)
                            max_num_seqs=r.max_concurrency, max_model_len=max_len, page_size=PAGE_SIZE,
                            num_pages=max(pages_per_seq, r.kv_budget_tokens // PAGE_SIZE),
                            min_rows=r.max_concurrency, min_window_pages=pages_per_seq,

@@ -26,6 +26,8 @@ def test_each_pool_gets_its_own_concurrency_and_kv_budget():
     assert [e.max_num_seqs for e in built] == [4, 8]
     assert [e.num_pages * e.page_size for e in built] == [256, 1024]
     assert all(e.weight_version == 3 for e in built)
+    # the relay's tensors as they are: a switch in `laminar train` is one plain copy (rollout.jax_served)
+    assert all(e.weight_layout == "served" for e in built)
 
 
 def test_vllm_arguments_follow_the_rollouts_accelerators():
