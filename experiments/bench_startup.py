@@ -95,6 +95,8 @@ def main() -> None:
         print(f"bench:   first step {r['launch_to_first_step_s']:.1f} s, wall {r['wall_s']:.1f} s, "
               f"cpu {r['cpu_s']:.1f} s", flush=True)
         runs.append(r)
+        with open(a.out + ".partial", "w") as f:   # what a later failure (or a stop) would otherwise lose
+            json.dump(runs, f, indent=1)
 
     caches = {side: os.path.join(a.work, f"cache-{side}") for side in sides}
     if "hf-warm" in a.cases or "warm-up" in a.cases:
