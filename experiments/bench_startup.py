@@ -9,7 +9,9 @@ rollouts, relays on), from the checkout under test (PYTHONPATH and cwd point at 
   hf-cold:  the same with an empty compilation cache;
   warm-up:  the default config (the supervised warm-up first, then RL), warm cache.
 Per run: launch to the first RL step's end (the metrics' `time/unix_s` of step 0), the total wall
-time, the CPU seconds of the run's whole process tree (load-independent, unlike the wall clock),
+time, the CPU seconds of the driver and the processes it reaps (Ray's actor processes are
+children of the raylet, which is killed rather than waited for: an undercount; the learner's
+own CPU seconds are in `learner_init`),
 the learner's `learner_init` phases (wall and CPU) and step 0's `time/*` breakdown, the `startup`
 event's phases, and the load average before and after (the machine is shared: read ratios inside
 one run of this script, not absolute seconds). Writes
@@ -42,8 +44,7 @@ def run_once(code: str, name: str, extra: list[str], *, cache: str, work: str) -
                           cwd=code, env=dict(os.environ, PYTHONPATH=code), capture_output=True, text=True,
                           timeout=1200)
     wall = time.time() - t0
-    # CPU s of the run's whole process tree (driver, Ray, every actor: reaped children all):
-    # what the run asked of the 2 cores, far less load-dependent than its wall clock
+    # CPU s of the driver and what it reaps (not the actors: see the docstring)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (usage.ru_utime - usage0.ru_utime) + (usage.ru_stime - usage0.ru_stime)
     if proc.returncode:
