@@ -41,9 +41,11 @@ SAMPLE_WAIT_S = 5.0
 
 
 def _lower_thread_priority() -> None:
-    """Lowers the calling thread's CPU priority (Linux: nice is per thread) to PRECOMPILE_NICE."""
+    """Lowers the calling thread's CPU priority (Linux: nice is per thread) to PRECOMPILE_NICE,
+    never raising it (a learner started under a higher nice keeps it)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PRECOMPILE_NICE)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), PRECOMPILE_NICE))
     except (OSError, AttributeError):   # not Linux, or not allowed: the compile runs at full priority
         pass
 
