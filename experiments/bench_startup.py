@@ -9,8 +9,12 @@ rollouts, relays on), from the checkout under test (PYTHONPATH and cwd point at 
   hf-cold:  the same with an empty compilation cache;
   warm-up:  the default config (the supervised warm-up first, then RL), warm cache.
 Per run: launch to the first RL step's end (the metrics' `time/unix_s` of step 0), the total wall
-time, the `startup` event's phases, and the load average before and after (the machine is
-shared: read ratios inside one run of this script, not absolute seconds). Writes
+time, the CPU seconds of the driver and the processes it reaps (Ray's actor processes are
+children of the raylet, which is killed rather than waited for: an undercount; the learner's
+own CPU seconds are in `learner_init`),
+the learner's `learner_init` phases (wall and CPU) and step 0's `time/*` breakdown, the `startup`
+event's phases, and the load average before and after (the machine is shared: read ratios inside
+one run of this script, not absolute seconds). Writes
 experiments/results/bench_startup.json and prints a table.
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -32,20 +37,30 @@ def run_once(code: str, name: str, extra: list[str], *, cache: str, work: str) -
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     load = os.getloadavg()[0]
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "laminar_jax.cli", "train", "configs/default.yaml", "run.steps=2",
                            f"run.out_dir={work}", f"run.name={name}", f"run.compile_cache={cache}", *extra],
                           cwd=code, env=dict(os.environ, PYTHONPATH=code), capture_output=True, text=True,
                           timeout=1200)
     wall = time.time() - t0
+    # CPU s of the driver and what it reaps (not the actors: see the docstring)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (usage.ru_utime - usage0.ru_utime) + (usage.ru_stime - usage0.ru_stime)
     if proc.returncode:
         raise RuntimeError(f"{name}: laminar train failed:\n{proc.stderr[-3000:]}")
     from laminar_jax.analysis import load_run
     m = load_run(run_dir).metrics.sort_values("step")   # the metrics/ part files
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
     startup = next(e for e in events if e.get("kind") == "startup")
-    return {"launch_to_first_step_s": float(m["time/unix_s"].iloc[0] - t0), "wall_s": wall,
+    init = next((e for e in events if e.get("kind") == "learner_init"), {})
+    return {"launch_to_first_step_s": float(m["time/unix_s"].iloc[0] - t0), "wall_s": wall, "cpu_s": cpu,
             "startup": {k: v for k, v in startup.items() if k.endswith("_s")},
+            "learner_init": {k: v for k, v in init.items() if k.endswith("_s")},
+            "step0": {k: float(m[k].iloc[0]) for k in m.columns
+                      if k.startswith("time/") and k.endswith("_s") and k != "time/unix_s"}
+                     | {k: float(m[k].iloc[0]) for k in ("learner/step_compiles", "learner/logprob_compiles")
+                        if k in m.columns},
             "load_before": load, "load_after": os.getloadavg()[0],
             "prints": [line for line in proc.stdout.splitlines() if line.startswith("start-up")]}
 
@@ -78,8 +93,11 @@ def main() -> None:
         print(f"bench: {name} (load {os.getloadavg()[0]:.1f})", flush=True)
         r = run_once(sides[side], name, extra, cache=cache, work=a.work)
         r.update(side=side, case=case, rep=rep)
-        print(f"bench:   first step {r['launch_to_first_step_s']:.1f} s, wall {r['wall_s']:.1f} s", flush=True)
+        print(f"bench:   first step {r['launch_to_first_step_s']:.1f} s, wall {r['wall_s']:.1f} s, "
+              f"cpu {r['cpu_s']:.1f} s", flush=True)
         runs.append(r)
+        with open(a.out + ".partial", "w") as f:   # what a later failure (or a stop) would otherwise lose
+            json.dump(runs, f, indent=1)
 
     caches = {side: os.path.join(a.work, f"cache-{side}") for side in sides}
     if "hf-warm" in a.cases or "warm-up" in a.cases:
@@ -112,13 +130,15 @@ def main() -> None:
                 summary[f"{case}/{side}"] = {
                     "launch_to_first_step_s": float(np.mean([r["launch_to_first_step_s"] for r in rs])),
                     "wall_s": float(np.mean([r["wall_s"] for r in rs])),
+                    "cpu_s": float(np.mean([r["cpu_s"] for r in rs])),
                     "load_mean": float(np.mean([(r["load_before"] + r["load_after"]) / 2 for r in rs])),
                     "phases_s": {k: float(np.mean([r["startup"].get(k, np.nan) for r in rs]))
                                  for k in rs[0]["startup"]}, "runs": len(rs)}
-    print(f"\n{'case/side':<18}{'1st step s':>11}{'wall s':>9}{'load':>7}  phases (s from the driver's start)")
+    print(f"\n{'case/side':<18}{'1st step s':>11}{'wall s':>9}{'cpu s':>8}{'load':>7}  phases (s from the driver's start)")
     for key, s in summary.items():
         phases = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in s["phases_s"].items())
-        print(f"{key:<18}{s['launch_to_first_step_s']:>11.1f}{s['wall_s']:>9.1f}{s['load_mean']:>7.1f}  {phases}")
+        print(f"{key:<18}{s['launch_to_first_step_s']:>11.1f}{s['wall_s']:>9.1f}{s['cpu_s']:>8.1f}"
+              f"{s['load_mean']:>7.1f}  {phases}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"before": a.before, "after": a.after, "init": init, "cores": os.cpu_count(),

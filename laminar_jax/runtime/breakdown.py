@@ -57,6 +57,22 @@ class Stopwatch:
         return out
 
 
+class InitClock:
+    """Wall and CPU seconds (this process, all threads) per start-up phase of an actor:
+    `mark(name)` closes the phase since the previous mark; `phases` holds `<name>_s` (wall) and
+    `<name>_cpu_s`. On a shared 2-core machine the CPU seconds are the load-independent part."""
+
+    def __init__(self):
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.phases[f"{name}_s"] = round(wall - self._wall, 4)
+        self.phases[f"{name}_cpu_s"] = round(cpu - self._cpu, 4)
+        self._wall, self._cpu = wall, cpu
+
+
 def rollout_split(deltas: Sequence[dict]) -> dict[str, float]:
     """Mean fractions of the rollouts' time (busy_s + idle_s) in each part over one step.
 

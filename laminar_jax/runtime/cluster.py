@@ -31,6 +31,10 @@ from laminar_jax.runtime import compile_cache, reaper
 LOGICAL_CPUS = 16
 LOOPBACK = "127.0.0.1"
 CONNECT_TIMEOUT_S = 5.0
+# Ray's raylet prestarts idle Python workers for the first driver; every actor of a run asks for
+# its own runtime env (XLA_FLAGS), so none of them took one: on 2 cores that was ~1 CPU s each
+# for nothing during start-up (measured: 2 `ray::IDLE` workers still idle at the first step)
+NO_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
 class ClusterError(ConfigError):
@@ -53,7 +57,7 @@ def start(cfg: Any) -> bool:
     ray_constants.ENABLE_RAY_CLUSTER = False                # this one (module docstring)
     reaper.start()   # a SIGKILL of this process leaves no Ray process behind (runtime.reaper)
     ray.init(address="local", num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True,
-             _node_ip_address=LOOPBACK,
+             _node_ip_address=LOOPBACK, _system_config=NO_PRESTART,
              runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
                                        **compile_cache.env(cfg.run.compile_cache)}})
     return True

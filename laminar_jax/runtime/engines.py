@@ -161,6 +161,30 @@ def vllm_kwargs(accelerators: float, kind: str | None, gpu_memory_utilization: f
     return out
 
 
+def warm_imports(_actor: Any, engine: str, compile_cache_dir: str | None) -> None:
+    """Imports a JAX rollout's engine modules (jax, flax, the engine) and turns its compile cache
+    on; sent to a new rollout (`actor.__ray_call__`) so this runs while the learner initialises.
+    Without it each rollout imported them only once the first weights had come: seconds on the
+    start-up's critical path. (vLLM's import stays where it is: it may claim the GPU.)"""
+    if engine != "jax":
+        return
+    from laminar_jax.models import hf  # noqa: F401
+    from laminar_jax.runtime import compile_cache
+    from rollout import jax_engine  # noqa: F401
+
+    compile_cache.enable(compile_cache_dir)
+
+
+def warm_store_reader(_relay: Any) -> None:
+    """Imports what a master relay's first store read needs (jax, orbax: `publish.read_path`);
+    sent to each new master (`__ray_call__`, from this light module: pickled by reference) while
+    the learner initialises. Measured before: the master's read of version 0 took 18 s at load 45
+    (1.2 s for version 1), on the start-up's critical path."""
+    import orbax.checkpoint  # noqa: F401
+
+    from laminar_jax.weights import publish  # noqa: F401
+
+
 class EngineFactory:
     """`EngineFactory(cfg, model_dir, workdir=..., accelerators=..., kind=...)(tensors, version)`.
 

@@ -73,6 +73,8 @@ class RolloutSpawner:
                                      max_concurrency=8, placement_group=pg, env=env)
         handle = ray.remote(RolloutWorker).options(**opts).remote(
             rid, rcfg, self.data, self.source, factory, self.tokenizer, self.scorer)
+        # the engine's imports run now, while the rollout waits for its first weights (fire and forget)
+        handle.__ray_call__.remote(engines.warm_imports, pool.engine, self.cfg.run.compile_cache)
         return rid, handle
 
 
@@ -157,7 +159,8 @@ class Fleet:
                                 transport=r.transport, stream_timeout_s=r.stream_timeout_s,
                                 shared_memory=r.shared_memory, idle_timeout_s=r.idle_timeout_s,
                                 max_connections=r.max_connections, max_restarts=r.max_restarts,
-                                on_master_change=[lambda m: ray.get(learner.set_master.remote(m),
+                                on_master_change=[lambda m: m.__ray_call__.remote(engines.warm_store_reader),
+                                                  lambda m: ray.get(learner.set_master.remote(m),
                                                                     timeout=STARTUP_TIMEOUT_S)],
                                 events=events, runtime_env={"env_vars": {
                                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})

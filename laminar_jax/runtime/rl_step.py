@@ -104,6 +104,7 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
     def logprobs(params, batch):
         logp, _ = logp_jit(params, *(shd.shard_batch(batch[k], setup.mesh) for k in logp_keys))
         return np.asarray(logp, np.float32)
+    logprobs.aot = logp_jit   # its call_compiles: the learner's `learner/logprob_compiles` metric
 
     kept_jit = jax.jit(partial(kept_mask, spec))
 
@@ -133,13 +134,18 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
         arr = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
         ints = ("tokens", "positions", "segment_ids")
         tok = {k: arr(jnp.int32 if k in ints else jnp.float32, rows, length) for k in TRAIN_KEYS + extra}
-        getattr(train, how)(state, {**tok, "normaliser": arr(jnp.float32)})
-        if needs_prox or spec.needs_ref:
-            getattr(logp_jit, how)(state.params, *(tok[k] for k in logp_keys))
+        # in the order a step calls them: advantages, log-probs, update
         if not cfg.learner.pack:  # advantages run on the unpacked batch (all mini-batches)
             n = adv_rows
             f32, i32 = arr(jnp.float32, n), arr(jnp.int32, n)
             getattr(adv_jit(num_groups), how)(f32, i32, f32, arr(jnp.float32, n, length))
+            # the learner's log-probs of the whole batch (the engines' mismatch metrics, every
+            # step): without this the first step of each bucket compiled them on the critical path
+            full = {k: arr(jnp.int32 if k in ints else jnp.float32, n, length) for k in logp_keys}
+            getattr(logp_jit, how)(state.params, *(full[k] for k in logp_keys))
+        if needs_prox or spec.needs_ref:   # the same signature as above: a no-op then
+            getattr(logp_jit, how)(state.params, *(tok[k] for k in logp_keys))
+        getattr(train, how)(state, {**tok, "normaliser": arr(jnp.float32)})
 
     def release():
         for aot in (train, logp_jit, *adv_aot.values()):
@@ -159,17 +165,20 @@ def batch_shapes(cfg: Any, fns: LearnerFns) -> list[tuple[int, int]]:
     return [(fns.mini_batch_rows, n) for n in B.length_buckets(lc.max_seq_len, min(lc.min_bucket, lc.max_seq_len))]
 
 
-def precompile_all(cfg: Any, fns: LearnerFns, state: Any, *, num_groups: int, events: Any = None) -> None:
+def precompile_all(cfg: Any, fns: LearnerFns, state: Any, *, num_groups: int, events: Any = None,
+                   after_first: Any = None) -> None:
     """`fns.precompile` every shape of `batch_shapes`, smallest first (for a background thread);
     `num_groups`: the groups of one assembled batch (a global batch, or a mini-batch's worth when
-    mini-batches stream)."""
+    mini-batches stream); `after_first()` is called once the smallest shape is compiled."""
     adv_rows = num_groups * cfg.data.group_size
     shapes = sorted(batch_shapes(cfg, fns), key=lambda s: s[0] * s[1])
     try:
         for rows, length in shapes:  # first promise them all: no step compiles one of them itself
             fns.precompile(state, rows, length, num_groups, adv_rows, reserve=True)
-        for rows, length in shapes:
+        for i, (rows, length) in enumerate(shapes):
             fns.precompile(state, rows, length, num_groups, adv_rows)
+            if i == 0 and after_first is not None:
+                after_first()
     finally:
         fns.release()
     if events is not None:

@@ -133,6 +133,9 @@ def test_no_compile_after_a_buckets_first_step(pack):
         for step, top in enumerate([30, 6, 20]):
             mb = _layouts(cfg, fns2, _groups([(2, 1 + (top - 3) * i // 7) for i in range(8)], seed=step))
             state, _ = fns2.train(state, jax.device_put(rl_step.train_inputs(cfg, mb)))
+            fns2.logprobs(state.params, mb)   # the whole batch's pass (one mini-batch here)
         assert not [c for c in compiles[before:] if "step_fn" in c], compiles[before:]
+        # the learner's log-prob pass of each bucket was compiled ahead of time too
+        assert fns2.logprobs.aot.call_compiles == 0 and fns2.train.call_compiles == 0
     finally:
         monitoring.unregister_event_duration_listener(listener)

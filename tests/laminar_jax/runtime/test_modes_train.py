@@ -69,11 +69,17 @@ def test_mode_learns_and_keeps_its_staleness_rule(mode, cluster, countdown_model
         assert m["mismatch/jax/abs_max"].max() == 0.0, m["mismatch/jax/abs_max"].max()
     # learner.precompile: every bucket's train step compiled (or promised) before the first
     # update, so no update compiles one; without it the first update does
-    compiles = m["learner/step_compiles"]
+    # (the batch's log-prob pass, the engines' mismatch metrics, likewise)
+    compiles, logp_compiles = m["learner/step_compiles"], m["learner/logprob_compiles"]
     if cfg.learner.precompile:
         assert compiles.sum() == 0 and "precompiled" in set(run.events.kind), compiles.tolist()
+        assert logp_compiles.sum() == 0, logp_compiles.tolist()
     else:
         assert compiles.iloc[0] >= 1 and "precompiled" not in set(run.events.kind), compiles.tolist()
+        assert logp_compiles.iloc[0] >= 1, logp_compiles.tolist()
+    # the learner's start-up profile: wall and CPU seconds per init phase
+    init = run.events[run.events.kind == "learner_init"].iloc[0]
+    assert all(init[f"{p}_cpu_s"] >= 0 for p in ("import", "build", "restore", "store")) and init["import_s"] > 0
     rows = get_task("countdown", num_prompts=cfg.data.num_prompts, max_n=cfg.data.task_max_n,
                     seed=cfg.run.seed).rows()
     n_of = {r.prompt_id: r.row["n"] for r in rows}
