@@ -144,10 +144,13 @@ def main():
     ap.add_argument("--impls", default="blockwise,naive")
     ap.add_argument("--out", default="experiments/results/bench_attention.json")
     ap.add_argument("--skip-packing", action="store_true", help="attention memory/time only")
+    ap.add_argument("--lengths", default=None, help="comma list of T overriding 1K..max-t, e.g. 2048,4096,8192")
     args = ap.parse_args()
     presets = ["tiny"] if args.quick else args.presets.split(",")
     max_t = 4096 if args.quick else args.max_t
     lengths = [t for t in (1024, 2048, 4096, 8192, 16384) if t <= max_t]
+    if args.lengths:
+        lengths = [int(t) for t in args.lengths.split(",")]
     print(f"backend={jax.default_backend()} devices={jax.device_count()}", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
 
