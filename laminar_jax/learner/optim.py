@@ -121,7 +121,7 @@ def scale_by_adam_in(state_dtype: str, *, b1: float, b2: float, eps: float) -> o
         mu_t = b1 mu_{t-1} + (1 - b1) g,   nu_t = b2 nu_{t-1} + (1 - b2) g^2      (in float32)
         u_t  = (mu_t / (1 - b1^t)) / (sqrt(nu_t / (1 - b2^t)) + eps)
 
-    then mu_t, nu_t are rounded to ``state_dtype``. float32 is ``optax.scale_by_adam`` itself (the
+    with mu_t, nu_t rounded to ``state_dtype`` before u_t reads them. float32 is ``optax.scale_by_adam`` itself (the
     same state tree either way: ``optax.ScaleByAdamState``)."""
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"optimizer.state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
@@ -138,14 +138,15 @@ def scale_by_adam_in(state_dtype: str, *, b1: float, b2: float, eps: float) -> o
         del params
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
         count = optax.safe_int32_increment(state.count)
-        mu = jax.tree.map(lambda m, g: b1 * f32(m) + (1 - b1) * f32(g), state.mu, updates)
-        nu = jax.tree.map(lambda v, g: b2 * f32(v) + (1 - b2) * jnp.square(f32(g)), state.nu, updates)
+        # The update reads the stored (rounded) moments: it is the update the new state implies,
+        # and no fp32 copy of a moment needs to outlive its own fused store.
+        mu = jax.tree.map(lambda m, g: (b1 * f32(m) + (1 - b1) * f32(g)).astype(dt), state.mu, updates)
+        nu = jax.tree.map(lambda v, g: (b2 * f32(v) + (1 - b2) * jnp.square(f32(g))).astype(dt), state.nu, updates)
         t = count.astype(jnp.float32)
         c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-        out = jax.tree.map(lambda m, v, g: ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype),
+        out = jax.tree.map(lambda m, v, g: ((f32(m) / c1) / (jnp.sqrt(f32(v) / c2) + eps)).astype(g.dtype),
                            mu, nu, updates)
-        store = lambda tree: jax.tree.map(lambda x: x.astype(dt), tree)  # noqa: E731
-        return out, optax.ScaleByAdamState(count, store(mu), store(nu))
+        return out, optax.ScaleByAdamState(count, mu, nu)
     return optax.GradientTransformation(init, update)
 
 

@@ -53,7 +53,8 @@ def _loss_fn(sm):
 # ------------------------------------------------------------------ optimizer.state_dtype
 
 def test_bf16_moments_are_adam_closed_form_and_track_fp32_updates():
-    """The bf16-state Adam is Adam (closed form of the first update: u = -lr g / (|g| + eps)),
+    """The bf16-state Adam is Adam (closed form of the first update: u = -lr g / (|g| + eps), to
+    bf16's rounding of the moments),
     keeps both moments in bf16, and over 5 steps of the same gradients stays within bf16's
     rounding of the fp32-state optimizer (relative 1e-2 of the parameter change)."""
     g0 = {"w": jnp.asarray([[3.0, -0.5], [1e-3, 2.0]])}
@@ -61,7 +62,8 @@ def test_bf16_moments_are_adam_closed_form_and_track_fp32_updates():
            for dt in optim.STATE_DTYPES}
     p = {"w": jnp.zeros((2, 2))}
     first, _ = txs["bfloat16"].update(g0, txs["bfloat16"].init(p), p)
-    np.testing.assert_allclose(first["w"], -0.1 * np.sign(g0["w"]), rtol=1e-4)
+    # mu_1 = (1 - b1) g and nu_1 = (1 - b2) g^2, each rounded to bf16 (relative 2^-8)
+    np.testing.assert_allclose(first["w"], -0.1 * np.sign(g0["w"]), rtol=2 ** -7)
     rng = np.random.default_rng(0)
     grads = [{"w": jnp.asarray(rng.normal(size=(2, 2)), jnp.float32)} for _ in range(5)]
     out = {}
@@ -109,8 +111,10 @@ def test_chunked_mlp_equals_the_whole_sequence_mlp_values_and_grads():
     x = jnp.asarray(rng.normal(size=(2, 13, 16)), jnp.float32)
     p = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32)
          for k, s in (("gate_kernel", (16, 32)), ("up_kernel", (16, 32)), ("down_kernel", (32, 16)))}
-    np.testing.assert_allclose(L.swiglu_mlp(p, x, chunk=4), L.swiglu_mlp(p, x), rtol=1e-6, atol=1e-6)
-    grad = lambda c: jax.grad(lambda p, x: jnp.sum(jnp.sin(L.swiglu_mlp(p, x, chunk=c))), argnums=(0, 1))(p, x)  # noqa: E731
+    mlp = jax.jit(L.swiglu_mlp, static_argnames="chunk")
+    np.testing.assert_allclose(mlp(p, x, chunk=4), mlp(p, x, chunk=0), rtol=1e-6, atol=1e-6)
+    grad = lambda c: jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(L.swiglu_mlp(p, x, chunk=c))),  # noqa: E731
+                                      argnums=(0, 1)))(p, x)
     for a, b in zip(jax.tree.leaves(grad(4)), jax.tree.leaves(grad(0))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
