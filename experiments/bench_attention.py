@@ -144,21 +144,25 @@ def main():
     ap.add_argument("--impls", default="blockwise,naive")
     ap.add_argument("--out", default="experiments/results/bench_attention.json")
     ap.add_argument("--skip-packing", action="store_true", help="attention memory/time only")
+    ap.add_argument("--skip-attention", action="store_true", help="the packing part only")
+    ap.add_argument("--lengths", default=None, help="comma list of T overriding 1K..max-t, e.g. 2048,4096,8192")
     args = ap.parse_args()
     presets = ["tiny"] if args.quick else args.presets.split(",")
     max_t = 4096 if args.quick else args.max_t
     lengths = [t for t in (1024, 2048, 4096, 8192, 16384) if t <= max_t]
+    if args.lengths:
+        lengths = [int(t) for t in args.lengths.split(",")]
     print(f"backend={jax.default_backend()} devices={jax.device_count()}", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
 
     def save(rows, **extra):
         with open(args.out, "w") as f:
             json.dump(dict(backend=jax.default_backend(), attention=rows, argv=sys.argv[1:], **extra), f, indent=1)
-    rows = attention_rows(presets, lengths, args.impls.split(","), time_max_tokens=args.time_max_tokens,
-                          naive_time_max_gb=args.naive_time_max_gb, dtype=args.dtype,
-                          on_row=lambda rows: save(rows, partial=True))
+    rows = [] if args.skip_attention else attention_rows(
+        presets, lengths, args.impls.split(","), time_max_tokens=args.time_max_tokens,
+        naive_time_max_gb=args.naive_time_max_gb, dtype=args.dtype, on_row=lambda rows: save(rows, partial=True))
     growth = {}
-    for p in presets:
+    for p in ([] if args.skip_attention else presets):
         for impl in args.impls.split(","):
             mem = [r["temp_bytes"] for r in rows if r["preset"] == p and r["impl"] == impl]
             growth[f"{p}/{impl}"] = [b / a for a, b in zip(mem, mem[1:])]

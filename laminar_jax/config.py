@@ -124,6 +124,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     min_lr_ratio: float = 0.1
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self):
         _positive(self, "lr", "eps")
@@ -164,6 +165,9 @@ class LearnerConfig:
     row counts come from a few buckets. Unpacked, a row is the batch's longest trajectory rounded
     up to a length bucket: min_bucket * 2^k, capped at max_seq_len (runtime.batch).
     remat: jax.checkpoint policy per decoder block (models.decoder.REMAT_POLICIES).
+    mlp_chunk: tokens per chunk of each block's MLP in the learner (0 = the whole row at once);
+    bounds the [tokens, intermediate] activations, the largest per-layer temporaries at long
+    max_seq_len (models.layers.swiglu_mlp, experiments/memory_plan.py).
     precompile: compile every bucket's train step in the background at start-up.
     memory_fraction: null (JAX's defaults) or the share of its accelerator's memory the learner
     preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_PREALLOCATE=true in the learner
@@ -187,13 +191,14 @@ class LearnerConfig:
     precompile: bool = True
     memory_fraction: float | None = None
     mismatch_versions: int = 0
+    mlp_chunk: int = 0
 
     def __post_init__(self):
         _require(self.memory_fraction is None or 0 < self.memory_fraction <= 1, "memory_fraction",
                  self.memory_fraction, "null or a fraction in (0, 1]")
         _at_least(self, 1, "global_batch_groups", "mini_batches", "max_seq_len", "logprob_chunk",
                   "min_bucket")
-        _at_least(self, 0, "micro_batch_size", "mismatch_versions")
+        _at_least(self, 0, "micro_batch_size", "mismatch_versions", "mlp_chunk")
         _require(self.global_batch_groups % self.mini_batches == 0, "mini_batches",
                  self.mini_batches,
                  f"a divisor of global_batch_groups ({self.global_batch_groups})")

@@ -53,7 +53,8 @@ def build(cfg: Any, *, total_steps: int, lr: float | None = None,
         remat = getattr(getattr(cfg, "learner", None), "remat", "none")
     mesh = shd.mesh_from_config(cfg.mesh)
     seed = getattr(getattr(cfg, "run", None), "seed", 0)
-    init_fn = lambda: Decoder(dcfg, rngs=nnx.Rngs(seed), remat=remat)  # noqa: E731
+    mlp_chunk = getattr(getattr(cfg, "learner", None), "mlp_chunk", 0)
+    init_fn = lambda: Decoder(dcfg, rngs=nnx.Rngs(seed), remat=remat, mlp_chunk=mlp_chunk)  # noqa: E731
     sharded = ts.shard_model(init_fn, mesh, rules)
     params = (ts.init_params(sharded, init_fn) if host_params is None
               else ts.place_params(sharded, host_params, what=cfg.model.hf_path))

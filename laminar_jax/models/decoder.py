@@ -167,8 +167,9 @@ def _exact_block(cfg, p, x, cos, sin, attend_fn):
     return X.rowwise(post)(p, x, attn), extra
 
 
-def _block(cfg, p, x, cos, sin, attend_fn):
-    """One pre-norm block; `attend_fn(q, k, v) -> attn` hides where keys come from."""
+def _block(cfg, p, x, cos, sin, attend_fn, mlp_chunk: int = 0):
+    """One pre-norm block; `attend_fn(q, k, v) -> attn` hides where keys come from;
+    `mlp_chunk`: `layers.swiglu_mlp`'s sequence chunk (0 = whole)."""
     if cfg.attention == "exact":
         return _exact_block(cfg, p, x, cos, sin, attend_fn)
     h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
@@ -176,7 +177,7 @@ def _block(cfg, p, x, cos, sin, attend_fn):
     attn, extra = attend_fn(q, k, v)
     x = x + L.attention_output(p, attn)
     h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    return x + L.swiglu_mlp(p, h), extra
+    return x + L.swiglu_mlp(p, h, chunk=mlp_chunk), extra
 
 
 class Decoder(nnx.Module):
@@ -184,13 +185,19 @@ class Decoder(nnx.Module):
 
     `remat` (`learner.remat`) names the `jax.checkpoint` policy applied to each block
     (`REMAT_POLICIES`); `True` means "block" (recompute everything in the backward pass).
+    `mlp_chunk` (`learner.mlp_chunk`): the training path's MLP runs over sequence chunks of that
+    many tokens (`layers.swiglu_mlp`; 0 = the whole sequence at once).
     Attention is `cfg.attention` through `models.attention.attention`.
     """
 
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs | None = None, *, remat: bool | str = "none"):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs | None = None, *, remat: bool | str = "none",
+                 mlp_chunk: int = 0):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
         self.remat = remat_policy_name(remat)
+        if not isinstance(mlp_chunk, int) or mlp_chunk < 0:
+            raise ValueError(f"learner.mlp_chunk: got {mlp_chunk!r}, expected an int >= 0 (0 = off)")
+        self.mlp_chunk = mlp_chunk
         pd = jnp.dtype(cfg.param_dtype)
         self.embedding = _param(_normal, rngs.params(), (cfg.vocab_size, cfg.hidden_size), pd, ("vocab", "embed"))
         self.layers = DecoderLayers(cfg, rngs)
@@ -255,7 +262,7 @@ class Decoder(nnx.Module):
                 # gathering them already cast is the same maths at half the bytes moved.
                 p = {k: pin(v.astype(dt), shardings.layer_params[k]) for k, v in p.items()}
                 x = pin(x, shardings.activations)
-            return _block(cfg, p, x, cos, sin, attend)
+            return _block(cfg, p, x, cos, sin, attend, mlp_chunk=self.mlp_chunk)
 
         body = apply_remat(body, self.remat)
         act = None if shardings is None else shardings.activations

@@ -117,16 +117,36 @@ def attention_output(p: dict, attn: jax.Array) -> jax.Array:
     return jnp.einsum("bthd,hde->bte", attn, p["o_kernel"].astype(attn.dtype))
 
 
-def swiglu_mlp(p: dict, x: jax.Array) -> jax.Array:
-    """down(silu(gate(x)) * up(x))."""
+def swiglu_mlp(p: dict, x: jax.Array, *, chunk: int = 0) -> jax.Array:
+    """down(silu(gate(x)) * up(x)).
+
+    ``chunk > 0`` (``learner.mlp_chunk``): the sequence in chunks of ``chunk`` tokens (``lax.map``),
+    each rematerialised in the backward pass, so the ``[B, chunk, mlp]`` intermediates of one
+    chunk are alive at a time instead of ``[B, T, mlp]`` ("tiled MLP", Arctic long-sequence
+    training, arXiv 2506.13996). Token-wise maths, so the values are the same; the weight
+    gradients are summed over chunks in the weights' dtype (as the log-prob head's chunks are).
+    Ragged T is zero-padded: a zero row maps to zero and adds nothing to any gradient.
+    """
     dt = x.dtype
-    if "gate_kernel" not in p:  # served layout: gate/up [M, E], down [E, M] (see `_in_proj`)
-        gate = jnp.einsum("bte,me->btm", x, p["gate_proj"].astype(dt))
-        up = jnp.einsum("bte,me->btm", x, p["up_proj"].astype(dt))
-        return jnp.einsum("btm,em->bte", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
-    gate = jnp.einsum("bte,em->btm", x, p["gate_kernel"].astype(dt))
-    up = jnp.einsum("bte,em->btm", x, p["up_kernel"].astype(dt))
-    return jnp.einsum("btm,me->bte", jax.nn.silu(gate) * up, p["down_kernel"].astype(dt))
+    served = "gate_kernel" not in p  # served layout: gate/up [M, E], down [E, M] (see `_in_proj`)
+    w = tuple(p[k] for k in (("gate_proj", "up_proj", "down_proj") if served
+                             else ("gate_kernel", "up_kernel", "down_kernel")))
+    into, out = ("bte,me->btm", "btm,em->bte") if served else ("bte,em->btm", "btm,me->bte")
+
+    def mlp(w, h):
+        gate = jnp.einsum(into, h, w[0].astype(dt))
+        up = jnp.einsum(into, h, w[1].astype(dt))
+        return jnp.einsum(out, jax.nn.silu(gate) * up, w[2].astype(dt))
+
+    b, t, e = x.shape
+    if chunk <= 0 or chunk >= t:
+        return mlp(w, x)
+    n = -(-t // chunk)
+    xp = jnp.pad(x, ((0, 0), (0, n * chunk - t), (0, 0))) if n * chunk != t else x
+    xs = jnp.moveaxis(xp.reshape(b, n, chunk, e), 1, 0)            # [n, B, chunk, E]
+    one = jax.checkpoint(lambda h: mlp(w, h))
+    ys = jax.lax.map(one, xs)
+    return jnp.moveaxis(ys, 0, 1).reshape(b, n * chunk, e)[:, :t]
 
 
 def packed_causal_mask(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
