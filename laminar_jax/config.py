@@ -169,6 +169,8 @@ class LearnerConfig:
     preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_PREALLOCATE=true in the learner
     actor's environment). With one learner device it is also the learner's Ray GPU share, so a
     vLLM rollout with a fractional GPU can sit on the same GPU (their memory must sum to <= 1).
+    hosts: learner processes, one per host (placement-group bundle), joined by jax.distributed into
+    one global mesh (runtime.learner_group); the mesh's devices split evenly over them.
     """
 
     global_batch_groups: int = 8
@@ -183,8 +185,10 @@ class LearnerConfig:
                    "offload_dots"] = "none"
     precompile: bool = True
     memory_fraction: float | None = None
+    hosts: int = 1
 
     def __post_init__(self):
+        _at_least(self, 1, "hosts")
         _require(self.memory_fraction is None or 0 < self.memory_fraction <= 1, "memory_fraction",
                  self.memory_fraction, "null or a fraction in (0, 1]")
         _at_least(self, 1, "global_batch_groups", "mini_batches", "max_seq_len", "logprob_chunk",
