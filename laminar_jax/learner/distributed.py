@@ -73,8 +73,8 @@ def initialize(coordinator: str, *, num_processes: int, process_id: int,
 def check_mesh(mesh: Any, *, hosts: int, local_devices: int) -> None:
     """Checks that a ``mesh`` config section (data, fsdp, tensor) divides across ``hosts`` hosts of
     ``local_devices`` devices each: it must use every device of every host (each process takes
-    part in each step), and each host must own whole batch shards (``tensor`` fits in one host,
-    ``data x fsdp`` divides by ``hosts``), so a host's slice of the batch is its own rows."""
+    part in each step), and a tensor-parallel group must fit in one host, so each host owns whole
+    batch shards and a host's slice of the batch is its own rows."""
     data, fsdp, tensor = (getattr(mesh, k, d) for k, d in (("data", -1), ("fsdp", 1), ("tensor", 1)))
     total = hosts * local_devices
     where = f"mesh.data={data} mesh.fsdp={fsdp} mesh.tensor={tensor} with learner.hosts={hosts}"
@@ -90,9 +90,7 @@ def check_mesh(mesh: Any, *, hosts: int, local_devices: int) -> None:
         raise ValueError(f"{where}: the mesh has {data * fsdp * tensor} devices, but {hosts} hosts x "
                          f"{local_devices} devices = {total}; a multi-host mesh must use every device "
                          f"(set mesh.data=-1)")
-    if (data * fsdp) % hosts:
-        raise ValueError(f"{where}: data x fsdp = {data * fsdp} batch shards do not divide across "
-                         f"{hosts} hosts")
+    # then data x fsdp = hosts x (local / tensor): every host owns whole batch shards
 
 
 def global_mesh(mesh_section: Any) -> jax.sharding.Mesh:

@@ -157,7 +157,6 @@ def test_two_processes_equal_one_process_with_all_devices(tmp_path):
 @pytest.mark.parametrize("mesh,hosts,local,msg", [
     (dict(data=-1, fsdp=2, tensor=8), 2, 4, "mesh.tensor must divide"),
     (dict(data=2, fsdp=2, tensor=1), 2, 4, "must use every device"),
-    (dict(data=1, fsdp=1, tensor=4), 2, 4, "do not divide across 2 hosts"),
     (dict(data=-1, fsdp=3, tensor=1), 2, 4, "does not divide the 8 devices"),
 ])
 def test_a_mesh_that_does_not_divide_across_hosts_names_mesh_and_hosts(mesh, hosts, local, msg):
