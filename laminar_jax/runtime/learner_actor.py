@@ -233,6 +233,13 @@ class Learner:
 
     def step(self) -> dict:
         """One iteration; returns {"metrics", "trajectories", "events", "version"}."""
+        try:
+            return self._step()
+        except Exception as e:
+            self._mirror.explain(e)   # learner.hosts > 1: a dead host's name, not a gloo error
+            raise
+
+    def _step(self) -> dict:
         t_start, v = time.time(), self.version
         self._times = breakdown.Stopwatch()
         k = self.cfg.learner.mini_batches

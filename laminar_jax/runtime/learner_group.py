@@ -122,9 +122,10 @@ def start(cfg: Any, learner_cls: Any, args: tuple, kwargs: dict, *, kind: str | 
     return handles[0], handles, pg
 
 
-def check_alive(handles: list[Any], timeout_s: float = ALIVE_TIMEOUT_S) -> None:
-    """LearnerHostError naming the first learner host that is dead. A host that only answers
-    late (busy, a loaded machine) is not dead: the step's own timeout covers a hung one."""
+def check_alive(handles: list[Any], timeout_s: float = ALIVE_TIMEOUT_S, *, first: int = 0) -> None:
+    """LearnerHostError naming the first learner host that is dead (`handles` are hosts first,
+    first + 1, ...). A host that only answers late (busy, a loaded machine) is not dead: the
+    step's own timeout covers a hung one."""
     refs = [h.pid.remote() for h in handles]
     for i, ref in enumerate(refs):
         try:
@@ -133,7 +134,7 @@ def check_alive(handles: list[Any], timeout_s: float = ALIVE_TIMEOUT_S) -> None:
             continue
         except ray.exceptions.RayActorError as e:
             raise LearnerHostError(
-                f"learner host {i} of learner.hosts={len(handles)} is dead ({type(e).__name__}); the run "
+                f"learner host {first + i} of learner.hosts={first + len(handles)} is dead ({type(e).__name__}); the run "
                 f"stops here -- rerun `laminar train` on the run folder to resume from its last checkpoint") from None
 
 
@@ -156,10 +157,19 @@ class Mirror:
     def alive(self, timeout_s: float = 10.0) -> bool:
         """Whether every follower is alive (a dead one means no collective can finish)."""
         try:
-            check_alive(self.followers, timeout_s=timeout_s)
+            check_alive(self.followers, timeout_s=timeout_s, first=1)
             return True
         except LearnerHostError:
             return False
+
+    def explain(self, error: BaseException) -> None:
+        """After a failed collective (gloo: "connection reset by peer" when a host died):
+        LearnerHostError naming the dead host, from `error`; nothing when every host lives."""
+        if self.followers:
+            try:
+                check_alive(self.followers, timeout_s=10.0, first=1)
+            except LearnerHostError as e:
+                raise e from error
 
     def collect(self, timeout_s: float = FOLLOW_TIMEOUT_S) -> None:
         pending, self._pending = self._pending, []
