@@ -49,16 +49,16 @@ def _checkpoints(run_dir) -> set:
 
 @pytest.mark.slow
 def test_two_host_train_learns_then_a_dead_host_stops_it_and_one_host_resumes(cluster, countdown_model, tmp_path):
-    """One run (the suite's time is scarce): 2 hosts learn for 14+ steps, a follower is killed
-    once checkpoint v14 is committed, the run stops naming the dead host; the rerun resumes v14
-    on one host and finishes two more steps."""
-    every = {"run.checkpoint_every": 7, "run.checkpoint_every_s": 0}
-    cfg = countdown_config(str(tmp_path), "two_hosts", countdown_model, **TWO_HOSTS, **every)
+    """One run (the suite's time is scarce): 2 hosts learn for 20+ steps (the modes' learning
+    check), a follower is killed once checkpoint v20 is committed, the run stops naming the dead
+    host; the rerun resumes v20 on one host and finishes two more steps."""
+    every = {"run.checkpoint_every": 10, "run.checkpoint_every_s": 0}
+    cfg = countdown_config(str(tmp_path), "two_hosts", countdown_model, **TWO_HOSTS, **every, **{"run.steps": 30})
     run_dir = tmp_path / "two_hosts"
     killed = {}
 
     def kill_a_follower(step, fleet, metrics):
-        if step >= 14 and 14 in _checkpoints(run_dir) and not killed:
+        if step >= 20 and 20 in _checkpoints(run_dir) and not killed:
             killed["step"] = step
             ray.kill(fleet.learner_hosts[1], no_restart=True)   # a real crash: no close
     with pytest.raises(Exception, match=r"learner host 1 of learner.hosts=2 is dead"):
@@ -73,7 +73,7 @@ def test_two_host_train_learns_then_a_dead_host_stops_it_and_one_host_resumes(cl
     gain = reward_gain(traj.assign(n=traj.prompt_id.map(n_of)), strata="n")
     assert gain["gain"] > MIN_GAIN, gain   # two hosts learn
     latest = run_folder.checkpoints(str(run_dir))[-1]
-    assert latest == 14
+    assert latest == 20
 
     # the rerun resumes from that checkpoint on ONE host (a 2 -> 1 restore in the real path)
     resumed = countdown_config(str(tmp_path), "two_hosts", countdown_model,
