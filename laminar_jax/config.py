@@ -176,6 +176,8 @@ class LearnerConfig:
     mismatch_versions: past versions whose params the learner keeps (one copy each) so the
     engines' mismatch metrics also cover tokens up to that many versions stale; 0 = the fresh
     tokens only (runtime.engine_metrics).
+    hosts: learner processes, one per host (placement-group bundle), joined by jax.distributed into
+    one global mesh (runtime.learner_group); the mesh's devices split evenly over them.
     """
 
     global_batch_groups: int = 8
@@ -192,8 +194,10 @@ class LearnerConfig:
     memory_fraction: float | None = None
     mismatch_versions: int = 0
     mlp_chunk: int = 0
+    hosts: int = 1
 
     def __post_init__(self):
+        _at_least(self, 1, "hosts")
         _require(self.memory_fraction is None or 0 < self.memory_fraction <= 1, "memory_fraction",
                  self.memory_fraction, "null or a fraction in (0, 1]")
         _at_least(self, 1, "global_batch_groups", "mini_batches", "max_seq_len", "logprob_chunk",

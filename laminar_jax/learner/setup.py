@@ -51,7 +51,12 @@ def build(cfg: Any, *, total_steps: int, lr: float | None = None,
     resolve(dcfg.attention)
     if remat is None:
         remat = getattr(getattr(cfg, "learner", None), "remat", "none")
-    mesh = shd.mesh_from_config(cfg.mesh)
+    import jax
+    if jax.process_count() > 1:   # one learner over several hosts (learner/distributed.py)
+        from laminar_jax.learner.distributed import global_mesh
+        mesh = global_mesh(cfg.mesh)
+    else:
+        mesh = shd.mesh_from_config(cfg.mesh)
     seed = getattr(getattr(cfg, "run", None), "seed", 0)
     mlp_chunk = getattr(getattr(cfg, "learner", None), "mlp_chunk", 0)
     init_fn = lambda: Decoder(dcfg, rngs=nnx.Rngs(seed), remat=remat, mlp_chunk=mlp_chunk)  # noqa: E731

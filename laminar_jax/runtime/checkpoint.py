@@ -47,8 +47,9 @@ class Checkpointer:
     def __init__(self, run_dir: str, *, max_to_keep: int = 2, on_commit: Callable[[dict], None] | None = None,
                  poll_s: float = 0.1):
         self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-        # saves a crash cut short: orbax never returns them, and its own cleanup runs in the background
-        if os.path.isdir(self.directory):
+        # saves a crash cut short: orbax never returns them, and its own cleanup runs in the background;
+        # with several learner hosts (one shared folder) only the primary removes them
+        if os.path.isdir(self.directory) and jax.process_index() == 0:
             for name in os.listdir(self.directory):
                 if ".orbax-checkpoint-tmp" in name:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)

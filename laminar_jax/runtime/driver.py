@@ -108,7 +108,11 @@ def _wait_step(pending: Any, watchdog: Watchdog, step: int) -> dict:
     while True:
         ready, _ = ray.wait([pending], timeout=POLL_S)
         if ready:
-            return ray.get(pending)
+            try:
+                return ray.get(pending)
+            except ray.exceptions.RayActorError:
+                watchdog.check(step)   # learner.hosts > 1: names the learner host that died
+                raise
         watchdog.check(step)
 
 

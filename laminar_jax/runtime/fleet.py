@@ -26,7 +26,7 @@ from laminar_jax.data.factory import buffer_kwargs, prompt_pool_kwargs
 from laminar_jax.data.prompt_pool import PromptEncoder
 from laminar_jax.manager.manager import RolloutManager
 from laminar_jax.rewards.registry import RewardScorer, resolve_reward
-from laminar_jax.runtime import cluster, engines
+from laminar_jax.runtime import cluster, engines, learner_group
 from laminar_jax.runtime.data_actor import CONCURRENCY_GROUPS, DataActor
 from laminar_jax.runtime.learner_actor import Learner
 from laminar_jax.weights.source import RelaySource, StoreSource
@@ -91,6 +91,8 @@ class Fleet:
     relay_events: list = field(default_factory=list)   # the relays' records of the last drain
     prefix: str = ""        # names this run's relays, placement groups and vLLM folders
     cfg_store_dir: str = ""  # relay.store_dir, where vLLM rollouts keep their config folders
+    learner_hosts: list = field(default_factory=list)   # learner.hosts > 1: every host, leader first
+    learner_pg: Any = None   # their placement group (runtime.learner_group)
 
     @classmethod
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
@@ -108,6 +110,7 @@ class Fleet:
         learner_devices = max(1, mesh.data) * mesh.fsdp * mesh.tensor
         kind = cluster.accelerator_kind()
         need = cluster.check_resources(cfg, learner_devices)
+        learner_group.check(cfg, kind)   # learner.hosts: the mesh splits and the hosts can be placed
         reward = resolve_reward(cfg.reward, answer_field=cfg.data.answer_field)
         tokenizer = engines.tokenizer_for(model_dir)
         dataset = load_dataset(cfg.data, seed=cfg.run.seed)
@@ -124,10 +127,17 @@ class Fleet:
         # so relays and rollouts start while the learner initialises, not after it
         store = WeightStore(root=os.path.join(cfg.relay.store_dir, f"{cfg.run.name}-{uuid.uuid4().hex[:6]}-{os.getpid()}"),
                             node_id=nodes[0], shared=False)
-        learner = ray.remote(Learner).options(**cluster.actor_options(
-            kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4,
-            env=engines.learner_env(cfg))).remote(
-            cfg, run_dir, data, resume=resume, min_update_s=min_update_s, store_root=store.root)
+        hosts, learner_pg = [], None
+        if cfg.learner.hosts > 1:   # one learner over several processes (runtime.learner_group)
+            learner, hosts, learner_pg = learner_group.start(
+                cfg, Learner, (cfg, run_dir, data), dict(resume=resume, min_update_s=min_update_s,
+                                                         store_root=store.root),
+                kind=kind, env=engines.learner_env(cfg), name=f"laminar-learner-{cfg.run.name}-{uuid.uuid4().hex[:6]}")
+        else:
+            learner = ray.remote(Learner).options(**cluster.actor_options(
+                kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4,
+                env=engines.learner_env(cfg))).remote(
+                cfg, run_dir, data, resume=resume, min_update_s=min_update_s, store_root=store.root)
         # the first publish is queued behind the learner's init: it runs the moment the init ends
         published = learner.publish.remote()
         phase("actors", "learner and data actors created; learner initialising (jax, model, optimizer)")
@@ -172,7 +182,7 @@ class Fleet:
         manager = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(
             cfg, workers, data, spawn=spawn, loops=loops)
         fleet = cls(data, learner, manager, workers, loops, relays, bad_rows=list(dataset.bad_rows),
-                    prefix=prefix, cfg_store_dir=cfg.relay.store_dir)
+                    prefix=prefix, cfg_store_dir=cfg.relay.store_dir, learner_hosts=hosts, learner_pg=learner_pg)
         fleet.manager_loop = manager.run.remote()
         return fleet
 
@@ -242,8 +252,11 @@ class Fleet:
             pass  # a dead learner: its weight store is removed by run_folder.clean_stale_stores
         if self.relays is not None:
             self.relays.shutdown()
-        for handle in [self.learner, self.manager, self.data, *self.workers.values()]:
+        for handle in [self.learner, *self.learner_hosts[1:], self.manager, self.data, *self.workers.values()]:
             ray.kill(handle, no_restart=True)
+        if self.learner_pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self.learner_pg)
         # the rollouts' placement groups and vLLM config folders (on this host), replacements' too
         from ray.util.placement_group import get_placement_group, placement_group_table, remove_placement_group
         for info in placement_group_table().values():

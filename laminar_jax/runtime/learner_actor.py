@@ -55,9 +55,18 @@ class Learner:
     """Holds the train state; `step()` runs one iteration and returns its log records."""
 
     def __init__(self, cfg: Any, run_dir: str, data: Any, *, resume: bool = True, min_update_s: float = 0.0,
-                 store_root: str | None = None):
+                 store_root: str | None = None, host: tuple | None = None, followers: list | None = None):
         clock = breakdown.InitClock()   # the `learner_init` event: wall and CPU s per phase
         import jax
+
+        from laminar_jax.runtime import learner_group
+        # host = (process id, learner.hosts, coordinator): one process of a multi-host learner,
+        # joined before any JAX computation; the leader (0) mirrors its collective calls to followers
+        if host is not None:
+            from laminar_jax.learner.distributed import initialize
+            initialize(host[2], num_processes=host[1], process_id=host[0])
+        self.process = 0 if host is None else host[0]
+        self._mirror, self._follower = learner_group.Mirror(followers), learner_group.Follower()
 
         from laminar_jax import sharding as shd
         from laminar_jax.learner.setup import build
@@ -65,7 +74,8 @@ class Learner:
         from laminar_jax.runtime.checkpoint import Checkpointer, checkpoint_due
         from laminar_jax.weights.publish import Publisher, WeightStore
 
-        self.cfg, self.data, self._jax, self._shd = cfg, data, jax, shd
+        from laminar_jax.learner import distributed
+        self.cfg, self.data, self._jax, self._shd, self._dist = cfg, data, jax, shd, distributed
         self._rl_step, self._checkpoint_due = rl_step, checkpoint_due
         compile_cache.enable(cfg.run.compile_cache)   # also when Ray was started without its env
         clock.mark("import")
@@ -83,16 +93,17 @@ class Learner:
         self.checkpointer = Checkpointer(run_dir, on_commit=lambda rec: self._log_committed([rec]))
         latest = self.checkpointer.latest() if resume else None
         if latest is not None:
-            self.state, meta = self.checkpointer.restore(latest, self.state)
+            self.state, meta = self.checkpointer.restore(latest, self.state)   # every host: its shards
             self.version = int(meta["version"])
-            ray.get(data.load_state_dict.remote(meta["data"]))
+            if self.process == 0:
+                ray.get(data.load_state_dict.remote(meta["data"]))
             self._event("resumed", version=self.version, checkpoint=latest)
         self._last_ckpt = (self.version, time.time())  # (version, time) of the last checkpoint
         clock.mark("restore")
         self.ref_params = (jax.tree.map(lambda x: x.copy(), self.state.params)
                            if self.fns.needs_ref else None)
         from laminar_jax.runtime.run_folder import clean_stale_stores
-        for stale in clean_stale_stores(cfg.relay.store_dir):  # left by crashed runs
+        for stale in (clean_stale_stores(cfg.relay.store_dir) if self.process == 0 else ()):  # crashed runs'
             self._event("stale_store_removed", path=stale)
         # store_root: chosen by the driver (`Fleet.start`), so relays and rollouts start before
         # this init ends; the default names the store after this process
@@ -148,8 +159,30 @@ class Learner:
         return None if since is None else time.time() - since
 
     def publish(self) -> int:
+        self._mirror.send(self.version, "publish")
         self.publisher.publish(self.version, self.state.params)
+        self._mirror.collect()
         return self.version
+
+    def follow(self, seq: int, version: int, op: str, args: tuple) -> None:
+        """A follower host: the leader's collective call number `seq`, run in the leader's order."""
+        def run():
+            self.version = version
+            if op == "update":
+                self._times = breakdown.Stopwatch()
+                self._update(*args)
+            elif op == "publish":
+                self.publisher.publish(version, self.state.params)
+            elif op == "save":
+                self.checkpointer.save(version, self.state, args[0])
+            elif op == "close":
+                self.checkpointer.close()
+                self.publisher.close()
+            else:
+                raise ValueError(f"learner host {self.process}: unknown mirrored call {op!r}")
+        self._follower.run(seq, run)
+        with self._lock:   # the leader reports the step's events; a follower's would only pile up
+            self._events.clear()
 
     def num_params(self) -> int:
         return self.setup.sharded.num_params()
@@ -212,7 +245,8 @@ class Learner:
                         "learner/row_len": float(mbs[0]["tokens"].shape[1])})
         steps, compiled = [], self.fns.train.call_compiles
         for mb in mbs:
-            inputs = self._shd.shard_batch(self.fns.inputs(self.state.params, mb), self.setup.mesh)
+            # each host puts its own rows (learner.distributed; one host: shard_batch)
+            inputs = self._dist.put_batch(self.fns.inputs(self.state.params, mb), self.setup.mesh)
             try:
                 self.state, m = self.fns.train(self.state, inputs)
             except NonFiniteLossError as e:
@@ -242,6 +276,13 @@ class Learner:
 
     def step(self) -> dict:
         """One iteration; returns {"metrics", "trajectories", "events", "version"}."""
+        try:
+            return self._step()
+        except Exception as e:
+            self._mirror.explain(e)   # learner.hosts > 1: a dead host's name, not a gloo error
+            raise
+
+    def _step(self) -> dict:
         t_start, v = time.time(), self.version
         self._times = breakdown.Stopwatch()
         k = self.cfg.learner.mini_batches
@@ -252,6 +293,7 @@ class Learner:
             groups, w = self._collect(num_groups)
             waited += w
             groups_all += groups
+            self._mirror.send(v, "update", groups, mini_batches)   # the other hosts: the same update
             m, r = self._update(groups, mini_batches)
             metrics_parts.append(m)
             rows += r
@@ -262,6 +304,7 @@ class Learner:
             self._times.times["update_s"] += short
         self.version = v + 1
         clock = time.perf_counter()
+        self._mirror.send(self.version, "publish")
         self.publisher.publish(self.version, self.state.params)
         self._times.add("publish_s", clock)
         self.data.set_learner_version.remote(self.version)
@@ -282,6 +325,7 @@ class Learner:
         metrics.update(self._times.learner_step(wall=wall, gap=t_start - self._last_end,
                                                 checkpoint=self._checkpoint_s))
         metrics["time/publish_write_s"] = self._write_s   # background (newest finished write)
+        metrics["learner/hosts"] = float(self._jax.process_count())   # learner.hosts joined in its mesh
         self._last_end = end
         run = self.cfg.run
         saving = self._checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
@@ -292,6 +336,7 @@ class Learner:
             self.checkpoint()
         # after `end`: it delays the next step, whose breakdown carries it
         self._checkpoint_s = time.perf_counter() - clock
+        self._mirror.collect()   # the other hosts' parts of this step (a failure: LearnerHostError)
         with self._lock:
             events, self._events = self._events, []
         # checkpoint_started: the driver makes this step's rows durable before the save commits
@@ -299,7 +344,8 @@ class Learner:
                 "checkpoint_started": saving}
 
     def checkpoint(self) -> int:
-        meta = {"version": self.version, "data": ray.get(self.data.state_dict.remote())}
+        meta = {"version": self.version, "data": ray.get(self.data.state_dict.remote(), timeout=300)}
+        self._mirror.send(self.version, "save", meta)
         self.checkpointer.save(self.version, self.state, meta)
         self._last_ckpt = (self.version, time.time())
         return self.version
@@ -310,10 +356,15 @@ class Learner:
 
     def close(self) -> list[dict]:
         import shutil
+        if not self._mirror.alive():   # a dead learner host: no multi-host save or write can finish
+            shutil.rmtree(self.store.root, ignore_errors=True)
+            return [{"kind": "learner_host_lost", "t": time.time(), "version": self.version}]
         if self._precompile is not None:   # finish filling the compile cache (PRECOMPILE_JOIN_S)
             self._precompile.join(PRECOMPILE_JOIN_S)
+        self._mirror.send(self.version, "close")
         self._log_committed(self.checkpointer.close())
         self.publisher.close()
+        self._mirror.collect()
         shutil.rmtree(self.store.root, ignore_errors=True)
         with self._lock:
             events, self._events = self._events, []

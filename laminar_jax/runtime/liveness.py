@@ -70,6 +70,9 @@ class Watchdog:
         import ray
 
         f, t = self.fleet, self.call_timeout_s
+        if len(getattr(f, "learner_hosts", ())) > 1:   # a dead learner host: LearnerHostError naming it
+            from laminar_jax.runtime.learner_group import check_alive
+            check_alive(f.learner_hosts, timeout_s=t)
         try:
             data = ray.get(f.data.liveness.remote(), timeout=t)
             manager = ray.get(f.manager.report.remote(), timeout=t)

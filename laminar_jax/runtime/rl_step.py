@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laminar_jax import sharding as shd
+from laminar_jax.learner import distributed as dist
 from laminar_jax.learner import logprobs as lp
 from laminar_jax.learner.train_step import AheadOfTime, TrainStep
 from laminar_jax.rl.advantages import advantages_from_spec
@@ -101,9 +102,9 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
     logp_jit = AheadOfTime(lp.make_logprobs_fn(sharded, chunk_size=chunk))
     logp_keys = ("tokens", "positions", "segment_ids", "response_mask")
 
-    def logprobs(params, batch):
-        logp, _ = logp_jit(params, *(shd.shard_batch(batch[k], setup.mesh) for k in logp_keys))
-        return np.asarray(logp, np.float32)
+    def logprobs(params, batch):   # several learner hosts: each puts its rows, all get the whole
+        logp, _ = logp_jit(params, *(dist.put_batch(batch[k], setup.mesh) for k in logp_keys))
+        return np.asarray(dist.gather(logp), np.float32)
     logprobs.aot = logp_jit   # its call_compiles: the learner's `learner/logprob_compiles` metric
 
     kept_jit = jax.jit(partial(kept_mask, spec))

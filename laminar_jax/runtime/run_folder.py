@@ -26,7 +26,8 @@ from laminar_jax.runfiles import CONFIG_FILE, METRICS_DIR, METRICS_FILE
 # keys that may change between a run and its resumption: they change neither the maths nor the data
 RESUME_SAFE = frozenset({"run.name", "run.out_dir", "run.steps", "run.log_every", "run.resume",
                          "run.checkpoint_every", "run.checkpoint_every_s", "run.trackers",
-                         "run.ray_address"})
+                         "run.ray_address",
+                         "learner.hosts"})   # a checkpoint restores onto any host count (learner_group)
 
 
 @dataclasses.dataclass(frozen=True)
