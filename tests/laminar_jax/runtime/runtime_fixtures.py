@@ -74,3 +74,13 @@ def warm_up_model(tmp_dir: str) -> str:
                                                "sft.steps=100", "sft.batch_size=32", "sft.seq_len=32",
                                                "run.log_every=100"])
     return sft.run(cfg)["model_dir"]
+
+
+def cli_env(root: str) -> dict:
+    """The environment of a `laminar train` subprocess: this checkout's code, the tests' shared
+    compile cache, and no inherited Ray address or auth mode (the run starts its own Ray)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env.update(PYTHONPATH=root, JAX_COMPILATION_CACHE_DIR="/tmp/laminar-test-jax-cache",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return env

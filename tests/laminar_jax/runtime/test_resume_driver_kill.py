@@ -25,8 +25,10 @@ import pytest
 
 from laminar_jax.analysis import load_run
 from laminar_jax.runtime import run_folder
+from tests.laminar_jax.runtime.runtime_fixtures import cli_env
 
 pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STEPS, KILL_AT = 5, 2          # kill once checkpoint v2 is committed, resume to 5 steps
 GONE_S = 30.0                  # every process of the killed run exits within this
@@ -40,10 +42,7 @@ def _tree(proc: psutil.Process) -> list[psutil.Process]:
 
 
 def _train(tmp_path, model_dir, store_dir, tag):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    env.update(PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR="/tmp/laminar-test-jax-cache",
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = cli_env(ROOT)
     args = [f"run.out_dir={tmp_path}", "run.name=killed", f"model.hf_path={model_dir}", "data.task=arithmetic",
             "data.group_size=4", "data.num_prompts=256", "data.task_max_n=9", "learner.global_batch_groups=2",
             "learner.max_seq_len=32", "rollout.max_new_tokens=8", "rollout.num_rollouts=1",

@@ -17,7 +17,10 @@ import time
 import psutil
 import pytest
 
+from tests.laminar_jax.runtime.runtime_fixtures import cli_env
+
 pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -45,10 +48,7 @@ def _loopback(ip: str) -> bool:
 
 
 def test_a_run_listens_on_loopback_only_and_stops_when_prompts_run_out(warm_model, tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    env.update(PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR="/tmp/laminar-test-jax-cache",
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = cli_env(ROOT)
     args = [f"run.out_dir={tmp_path}", "run.name=audit", f"model.hf_path={warm_model}", "data.task=arithmetic",
             "data.group_size=4", "data.num_prompts=8", "data.max_epochs=1", "data.task_max_n=9",
             "learner.global_batch_groups=4", "learner.max_seq_len=32", "rollout.max_new_tokens=8",
