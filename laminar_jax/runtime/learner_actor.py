@@ -224,8 +224,10 @@ class Learner:
         # the learner's log-probs at this version: the engines' mismatch metrics, and prox_logp
         # when the anchor is this version's weights (packing carries it into the rows)
         learner_logp = self.fns.logprobs(self.state.params, batch)
+        stale = set(np.unique(batch["staleness"][batch["response_mask"] > 0]).astype(int).tolist())
         mismatch_logp, measured = engine_metrics.at_token_versions(batch["staleness"], {
-            0: learner_logp, **{self.version - v: self.fns.logprobs(p, batch) for v, p in self._past_params.items()}})
+            0: learner_logp, **{self.version - v: self.fns.logprobs(p, batch)   # only versions with tokens
+                                for v, p in self._past_params.items() if self.version - v in stale}})
         metrics.update(engine_metrics.step_metrics(self.cfg, batch, mismatch_logp,
                                                    [t.rollout_id for g in groups for t in g], measured))
         self._keep_params_for_mismatch()
