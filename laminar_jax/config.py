@@ -545,7 +545,10 @@ class EnvConfig:
     trajectory; each turn also stops at rollout.max_new_tokens. tool_timeout_s: wall time of
     one tool call (the sandbox kills it); step_timeout_s: wall time of one env.step, after which
     the trajectory is dropped from the loss and counted; workers: threads per rollout running
-    env steps off the decode loop.
+    env steps off the decode loop. kv_policy: what a trajectory's K/V cache does while its tool
+    runs: "keep" (the JAX engine keeps its pages and the continuation prefills only the tool's
+    output; vLLM runs with prefix caching; kept pages are the first given back under KV pressure)
+    or "release" (pages freed at once; the continuation re-prefills prompt + response so far).
     """
 
     name: str | None = None
@@ -555,8 +558,10 @@ class EnvConfig:
     tool_timeout_s: float = 5.0
     step_timeout_s: float = 30.0
     workers: int = 4
+    kv_policy: Literal["keep", "release"] = "keep"
 
     def __post_init__(self):
+        _require(self.kv_policy in ("keep", "release"), "kv_policy", self.kv_policy, "'keep' or 'release'")
         _require(self.name is None or (bool(_REWARD_RE.match(self.name)) and (":" in self.name or "." not in self.name)),
                  "name", self.name, "null, a built-in environment name or 'package.module:Factory'")
         _at_least(self, 1, "max_turns", "max_total_tokens", "workers")

@@ -83,7 +83,10 @@ class Request:
 
     `prefix_*`: an already generated head of the response (resumed trajectory): tokens, their
     `logp` / `raw_logp` (module docstring; `raw_logp` defaults to `logp`, both to 0 when absent)
-    and the weight version each came from (-1 when unknown).
+    and the weight version each came from (-1 when unknown). `keep_kv`: the engine may keep this
+    request's K/V after it ends at a stop token, so that a continuation (same id, this context and
+    more tokens after it: a tool's output) prefills only the new tokens; `abort([id])` gives them
+    back. The JAX engine keeps its pages; vLLM reuses them through its prefix cache.
     """
 
     id: str
@@ -94,6 +97,7 @@ class Request:
     prefix_logp: np.ndarray | None = None
     prefix_raw_logp: np.ndarray | None = None
     prefix_versions: np.ndarray | None = None
+    keep_kv: bool = False
 
     def __post_init__(self):
         if not isinstance(self.id, str) or not self.id:
@@ -155,7 +159,8 @@ class Partial:
 
 @dataclass(frozen=True, eq=False)
 class Completion:
-    """A finished request. Arrays as in `Partial`; `num_prefix` leading tokens were resumed."""
+    """A finished request. Arrays as in `Partial`; `num_prefix` leading tokens were resumed;
+    `num_cached_tokens` context tokens were not prefilled because their K/V were cached."""
 
     request_id: str
     group_id: str
@@ -168,6 +173,7 @@ class Completion:
     weight_version: int              # version of the last token
     num_prefix: int
     timings: Timings
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

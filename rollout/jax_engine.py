@@ -11,6 +11,13 @@ Scheduling, per `step()` (every running request gains exactly one token):
    (`rollout.jax_sampling`: per-request keys, both log-probs of `rollout.engine`).
 4. Requests that hit a stop token, `max_new_tokens` or the context end are returned.
 
+Kept K/V (multi-turn, `Request.keep_kv`): a request that ends at a stop token keeps its pages
+until a continuation with the same id arrives (its prompt and the tokens whose K/V are cached
+unchanged, more tokens after them: the tool's output); that continuation prefills only the new
+tokens (`jax_steps.extend`). Kept pages are given back, oldest first, before any running request
+is preempted, and by `abort(ids)`. In zero-mismatch mode they are reused only on the version that
+computed them.
+
 Shapes are bucketed (rows and window pages are powers of two), so a steady workload runs without
 recompiling; `load_weights` swaps the params between steps, with no recompile either.
 
@@ -60,6 +67,7 @@ class _Seq:
     kv_len: int = 0                                  # positions written into the pages
     kv_version: int = -1                             # weight version of the cached K/V
     first_token: float | None = None
+    cached: int = 0                                  # context tokens whose K/V were reused at admission
 
     @property
     def context(self) -> int:
@@ -108,10 +116,13 @@ class JaxEngine:
         shape = (cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         self._k = jnp.zeros(shape, jnp.dtype(cfg.dtype))
         self._v = jnp.zeros(shape, jnp.dtype(cfg.dtype))
-        self._decode_fn, self._prefill_fn = make_step_fns(self._graphdef)
+        self._decode_fn, self._prefill_fn, self._extend_fn = make_step_fns(self._graphdef)
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
+        self._kept: collections.OrderedDict[str, _Seq] = collections.OrderedDict()  # ended, K/V kept
+        self.num_prefill_tokens = 0  # context tokens run through prefill or extend
+        self.num_cached_tokens = 0   # context tokens whose kept K/V made that unnecessary
         self._rng = np.random.default_rng(seed)
         self.num_preemptions = 0
         self.num_reprefills = 0  # zero-mismatch mode: requests re-prefilled after new weights
@@ -160,8 +171,10 @@ class JaxEngine:
             known.add(req.id)
         for req in requests:
             seed = req.sampling.seed if req.sampling.seed is not None else int(self._rng.integers(2**32))
-            self._waiting.append(_Seq(req, seed, time.time(), req.prefix_tokens.tolist(), req.prefix_logp.tolist(),
-                                      req.prefix_raw_logp.tolist(), req.prefix_versions.tolist()))
+            seq = _Seq(req, seed, time.time(), req.prefix_tokens.tolist(), req.prefix_logp.tolist(),
+                       req.prefix_raw_logp.tolist(), req.prefix_versions.tolist())
+            self._adopt_kept(seq)
+            self._waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
@@ -173,16 +186,20 @@ class JaxEngine:
         admitted = self._admit()
         if decoding:
             self._run(decoding, prefill=False)
-        buckets: dict[int, list[_Seq]] = {}
+        buckets: dict[tuple[int, int], list[_Seq]] = {}
         for seq in admitted:
             pages = _pow2_bucket(-(-seq.context // self.page_size), self.pages_per_seq, self.min_window_pages)
-            buckets.setdefault(pages, []).append(seq)
-        for group in buckets.values():
-            self._run(group, prefill=True)
+            new = _pow2_bucket(-(-(seq.context - seq.kv_len) // self.page_size), self.pages_per_seq) if seq.kv_len else 0
+            buckets.setdefault((pages, new), []).append(seq)
+        for (_, new), group in buckets.items():
+            self._run(group, prefill=True, extend_pages=new)
         return self._finish(decoding + admitted)
 
     def abort(self, request_ids: Iterable[str]) -> list[E.Partial]:
+        """Stop requests (their partials are returned) and give back the kept K/V of ended ones."""
         ids = set(request_ids)
+        for rid in ids & set(self._kept):
+            self._free(self._kept.pop(rid))
         out = [s.snapshot(self.weight_version) for s in list(self._running) + list(self._waiting) if s.req.id in ids]
         for seq in [s for s in self._running if s.req.id in ids]:
             self._release(seq)
@@ -215,10 +232,41 @@ class JaxEngine:
                              weight_version=self.weight_version)
 
     # ------------------------------------------------------------------ scheduling
-    def _release(self, seq: _Seq) -> None:
+    def _free(self, seq: _Seq) -> None:
         self._free_pages.extend(reversed(seq.pages))
         seq.pages, seq.kv_len = [], 0
+
+    def _release(self, seq: _Seq) -> None:
+        self._free(seq)
         self._running.remove(seq)
+
+    def _adopt_kept(self, seq: _Seq) -> None:
+        """Give a continuation the pages its ended turn kept, when their K/V are still its own:
+        same prompt, the same tokens up to what was cached, and new tokens after them."""
+        kept = self._kept.pop(seq.req.id, None)
+        if kept is None:
+            return
+        n_prompt = seq.req.prompt_tokens.shape[0]
+        cached = kept.kv_len - n_prompt
+        same = (np.array_equal(kept.req.prompt_tokens, seq.req.prompt_tokens) and 0 <= cached < len(seq.tokens)
+                and kept.tokens[:cached] == seq.tokens[:cached]
+                and (self.cfg.attention != "exact" or kept.kv_version == self.weight_version))
+        if not same:
+            self._free(kept)
+            return
+        seq.pages, seq.kv_len, seq.kv_version = kept.pages, kept.kv_len, kept.kv_version
+
+    def _reclaim(self, need: int, keep: _Seq | None = None) -> bool:
+        """Free pages until `need` are free: kept K/V first (oldest first), then the cached pages
+        of waiting continuations (they prefill in full instead); never a running request's."""
+        while len(self._free_pages) < need and self._kept:
+            self._free(self._kept.popitem(last=False)[1])
+        for seq in reversed(self._waiting):
+            if len(self._free_pages) >= need:
+                break
+            if seq.pages and seq is not keep:
+                self._free(seq)
+        return len(self._free_pages) >= need
 
     def _reprefill_stale(self) -> None:
         """Zero-mismatch mode: K/V cached under older weights would make the next tokens differ
@@ -235,7 +283,7 @@ class JaxEngine:
         for seq in list(self._running):
             if seq not in self._running:
                 continue
-            while seq.kv_len // self.page_size >= len(seq.pages) and not self._free_pages:
+            while seq.kv_len // self.page_size >= len(seq.pages) and not self._reclaim(1):
                 victim = self._running[-1]
                 self._release(victim)
                 self.num_preemptions += 1
@@ -250,18 +298,23 @@ class JaxEngine:
         admitted, budget = [], self.max_prefill_tokens
         while self._waiting and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
-            need = -(-seq.context // self.page_size)
-            if need > len(self._free_pages) or (admitted and seq.context > budget):
+            need = -(-seq.context // self.page_size) - len(seq.pages)
+            new_tokens = seq.context - seq.kv_len
+            if (admitted and new_tokens > budget) or not self._reclaim(need, keep=seq):
                 break
             self._waiting.popleft()
-            seq.pages = [self._free_pages.pop() for _ in range(need)]
-            budget -= seq.context
+            seq.pages += [self._free_pages.pop() for _ in range(need)]
+            seq.cached = seq.kv_len
+            self.num_cached_tokens += seq.kv_len
+            self.num_prefill_tokens += new_tokens
+            budget -= new_tokens
             self._running.append(seq)
             admitted.append(seq)
         return admitted
 
-    def _run(self, seqs: list[_Seq], *, prefill: bool) -> None:
-        """One jitted call for `seqs`; appends the sampled token to each."""
+    def _run(self, seqs: list[_Seq], *, prefill: bool, extend_pages: int = 0) -> None:
+        """One jitted call for `seqs`; appends the sampled token to each. `extend_pages` > 0:
+        prefill only the tokens after each one's cached K/V (that many pages of them at most)."""
         s = _pow2_bucket(len(seqs), self.max_num_seqs, self.min_rows)
         need_pages = max(-(-(seq.kv_len + 1) // self.page_size) if not prefill else
                          -(-seq.context // self.page_size) for seq in seqs)
@@ -271,8 +324,10 @@ class JaxEngine:
         temp, top_p = np.zeros((s,), np.float32), np.ones((s,), np.float32)
         top_k, counters = np.zeros((s,), np.int32), np.zeros((s,), np.int32)
         seeds = np.zeros((s,), np.uint32)
+        starts = np.zeros((s,), np.int32)
         if prefill:
-            tokens, lengths = np.zeros((s, pw * self.page_size), np.int32), np.ones((s,), np.int32)
+            width = (extend_pages or pw) * self.page_size
+            tokens, lengths = np.zeros((s, width), np.int32), np.ones((s,), np.int32)
         else:
             tokens, lengths = np.zeros((s,), np.int32), np.zeros((s,), np.int32)
         for i, seq in enumerate(seqs):
@@ -282,17 +337,21 @@ class JaxEngine:
             valid[i], temp[i], top_p[i], top_k[i] = True, sp.temperature, sp.top_p, sp.top_k
             seeds[i], counters[i] = seq.seed, len(seq.tokens)
             if prefill:
-                ctx = np.concatenate([seq.req.prompt_tokens, np.asarray(seq.tokens, np.int64)])
-                tokens[i, :ctx.shape[0]], lengths[i] = ctx, ctx.shape[0]
+                ctx = np.concatenate([seq.req.prompt_tokens, np.asarray(seq.tokens, np.int64)])[seq.kv_len:]
+                tokens[i, :ctx.shape[0]], lengths[i], starts[i] = ctx, ctx.shape[0], seq.kv_len
             else:
                 tokens[i], lengths[i] = seq.tokens[-1], seq.kv_len
-        fn = self._prefill_fn if prefill else self._decode_fn
-        self._k, self._v, nxt, logp, raw = fn(self._params, self._k, self._v, tokens, lengths, rows, valid,
-                                              temp, top_k, top_p, seeds, counters)
+        sampling = (rows, valid, temp, top_k, top_p, seeds, counters)
+        if extend_pages:
+            self._k, self._v, nxt, logp, raw = self._extend_fn(self._params, self._k, self._v, tokens, starts,
+                                                               lengths, *sampling)
+        else:
+            fn = self._prefill_fn if prefill else self._decode_fn
+            self._k, self._v, nxt, logp, raw = fn(self._params, self._k, self._v, tokens, lengths, *sampling)
         nxt, logp, raw = np.asarray(nxt), np.asarray(logp), np.asarray(raw)
         now = time.time()
         for i, seq in enumerate(seqs):
-            seq.kv_len = int(lengths[i]) if prefill else seq.kv_len + 1
+            seq.kv_len = int(starts[i] + lengths[i]) if prefill else seq.kv_len + 1
             seq.tokens.append(int(nxt[i]))
             seq.logp.append(float(logp[i]))
             seq.raw_logp.append(float(raw[i]))
@@ -310,10 +369,17 @@ class JaxEngine:
                 reason = "length"
             else:
                 continue
-            self._release(seq)
+            if reason == "stop" and seq.req.keep_kv:  # a continuation may follow (module docstring)
+                self._running.remove(seq)
+                old = self._kept.pop(seq.req.id, None)
+                if old is not None:
+                    self._free(old)
+                self._kept[seq.req.id] = seq
+            else:
+                self._release(seq)
             p = seq.snapshot(self.weight_version)
             done.append(E.Completion(p.request_id, p.group_id, p.prompt_tokens, p.response_tokens, p.logp,
                                      p.raw_logp, p.versions, reason, seq.versions[-1],
                                      seq.req.prefix_tokens.shape[0],
-                                     E.Timings(seq.added, seq.first_token, time.time())))
+                                     E.Timings(seq.added, seq.first_token, time.time()), seq.cached))
         return done

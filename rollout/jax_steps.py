@@ -89,10 +89,40 @@ def prefill(graphdef, params, k_pages, v_pages, tokens, lengths, rows, valid,
     return (k_pages, v_pages) + _sample(model, last, temperature, top_k, top_p, seeds, counters)
 
 
+def extend(graphdef, params, k_pages, v_pages, tokens, starts, lengths, rows, valid,
+           temperature, top_k, top_p, seeds, counters):
+    """Write `tokens[s, :lengths[s]]` at positions starts[s].. after K/V already in the pages
+    (a continuation whose earlier context was kept: multi-turn), and sample the token after them.
+
+    tokens int32 [S, T] (right-padded); starts, lengths int32 [S] (lengths >= 1); rows int32
+    [S, Pw] covering starts + lengths positions; valid bool [S]. `decode` is the T = 1 case, and
+    with starts = 0 this computes what `prefill` does. Returns as `decode`.
+    """
+    model = nnx.merge(graphdef, params)
+    s, t = tokens.shape
+    page_size = k_pages.shape[2]
+    sub = KVCache(_window(k_pages, rows), _window(v_pages, rows), jnp.zeros((s,), jnp.int32))
+    slots = jnp.arange(s, dtype=jnp.int32)
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    positions = starts[:, None] + offsets[None, :]
+    token_valid = (offsets[None, :] < lengths[:, None]) & valid[:, None]
+    hidden, sub = model.hidden_cached(tokens, positions, sub, slots, token_valid)
+    # Write back only the new positions; padding gets an out-of-range page (dropped).
+    safe = jnp.where(token_valid, positions, 0)
+    page = jnp.where(token_valid, jnp.take_along_axis(rows, safe // page_size, axis=1), k_pages.shape[1])
+    k_new = sub.k[:, slots[:, None], safe]
+    v_new = sub.v[:, slots[:, None], safe]
+    k_pages = k_pages.at[:, page, safe % page_size].set(k_new, mode="drop")
+    v_pages = v_pages.at[:, page, safe % page_size].set(v_new, mode="drop")
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    return (k_pages, v_pages) + _sample(model, last, temperature, top_k, top_p, seeds, counters)
+
+
 @functools.lru_cache(maxsize=8)
 def make_step_fns(graphdef):
-    """(decode_fn, prefill_fn): jitted, page pools donated, graphdef bound.
+    """(decode_fn, prefill_fn, extend_fn): jitted, page pools donated, graphdef bound.
 
     Cached by graphdef, so engines on the same architecture share compiled shapes."""
     jit = functools.partial(jax.jit, donate_argnums=(1, 2))
-    return jit(functools.partial(decode, graphdef)), jit(functools.partial(prefill, graphdef))
+    return (jit(functools.partial(decode, graphdef)), jit(functools.partial(prefill, graphdef)),
+            jit(functools.partial(extend, graphdef)))

@@ -8,8 +8,10 @@ A turn ends at a stop token (or at rollout.max_new_tokens for that turn). Its te
 `env.step` on a worker thread, so the engine keeps decoding the other trajectories meanwhile.
 When the step returns an observation, its tokens (`laminar_jax.env.chat.tool_turn_tokens`) are
 appended to the SAME trajectory with loss mask 0 (behaviour log-prob 0, the trajectory's weight
-version) and the trajectory is re-added to the engine as a request with that prefix: the engine
-re-prefills prompt + response so far and decodes the next turn. A trajectory keeps the weight
+version) and the trajectory is re-added to the engine as a request with that prefix. With
+`env.kv_policy: keep` its requests carry `keep_kv`, so the engine kept the turn's K/V and prefills
+only the tool's output; with "release" it re-prefills prompt + response so far. The worker gives
+kept K/V back when a trajectory ends (`released()`). A trajectory keeps the weight
 version it started on across all its turns: a turn decoded on another version raises (outside
 modes that interrupt on publish), and the worker counts a waiting trajectory as in flight, so it
 pulls no weights under it.
@@ -53,6 +55,8 @@ class Episode:
     versions: list = field(default_factory=list)
     mask: list = field(default_factory=list)
     turns: int = 0
+    cached_tokens: int = 0       # context tokens of later turns the engine did not prefill again
+    context_tokens: int = 0      # context tokens of later turns (prompt + response so far)
     reward: float = 0.0
     counts: dict = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
     env_s: float = 0.0
@@ -94,6 +98,7 @@ class MultiTurn:
         self.counters = dict(turns=0, tool_calls=0, tool_errors=0, parse_errors=0, env_errors=0, env_timeouts=0,
                              env_s=0.0, limit_turns=0, limit_tool_calls=0, limit_tokens=0)
         self.errors: list[dict] = []   # env failures for the worker's event log
+        self._ended: list[str] = []    # trajectories done since the last released()
 
     # ------------------------------------------------------------------ start
     def start(self, group, version: int) -> list[Request]:
@@ -117,10 +122,12 @@ class MultiTurn:
         n = len(ep.tokens)
         budget = min(n + self.sampling.max_new_tokens, self.cfg.max_total_tokens)
         sampling = dataclasses.replace(self.sampling, max_new_tokens=budget)
+        keep = self.cfg.kv_policy == "keep"
         if not n:
-            return Request(ep.rid, ep.prompt_tokens, sampling, ep.rid.rpartition("/")[0])
+            return Request(ep.rid, ep.prompt_tokens, sampling, ep.rid.rpartition("/")[0], keep_kv=keep)
         return Request(ep.rid, ep.prompt_tokens, sampling, ep.rid.rpartition("/")[0], np.asarray(ep.tokens),
-                       np.asarray(ep.logp, np.float32), np.asarray(ep.raw_logp, np.float32), np.asarray(ep.versions))
+                       np.asarray(ep.logp, np.float32), np.asarray(ep.raw_logp, np.float32), np.asarray(ep.versions),
+                       keep_kv=keep)
 
     # ------------------------------------------------------------------ a turn ended
     def owns(self, rid: str) -> bool:
@@ -142,6 +149,9 @@ class MultiTurn:
         ep.mask += [1.0] * len(versions)
         if ep.first_token is None:
             ep.first_token = c.timings.first_token or c.timings.finished
+        if ep.turns:
+            ep.context_tokens += len(ep.prompt_tokens) + n
+            ep.cached_tokens += int(getattr(c, "num_cached_tokens", 0))
         ep.turns += 1
         self.counters["turns"] += 1
         ep.last_finish = c.finish_reason
@@ -213,8 +223,14 @@ class MultiTurn:
             return True
         return False
 
+    def released(self) -> list[str]:
+        """Ids of the trajectories that ended since the last call (the engine may hold their K/V)."""
+        out, self._ended = self._ended, []
+        return out
+
     def _finish(self, ep: Episode, finish_reason: str, error: str | None = None, timeout: bool = False) -> Finished:
         del self.episodes[ep.rid]
+        self._ended.append(ep.rid)
         self.counters["env_s"] += ep.env_s
         gid, index = ep.rid.rpartition("/")[0], int(ep.rid.rpartition("/")[2])
         mask = np.zeros(len(ep.tokens), np.float32) if error else np.asarray(ep.mask, np.float32)
@@ -226,6 +242,7 @@ class MultiTurn:
                                     finish_reason=finish_reason, loss_mask=mask)
         stats = {"turns": ep.turns, **{k: ep.counts[k] for k in COUNT_KEYS}, "env_s": ep.env_s,
                  "tool_tokens": float(len(ep.mask) - sum(ep.mask)), "env_error": float(error is not None),
+                 "cached_tokens": float(ep.cached_tokens), "context_tokens": float(ep.context_tokens),
                  "env_timeout": float(timeout)}
         now = self.clock()
         return Finished(partial, 0.0 if error else ep.reward, stats, (ep.first_token or now, now), error)
@@ -257,7 +274,8 @@ class MultiTurn:
     def drop(self, rids) -> None:
         """Forget episodes (their group was released or re-issued); a running step is abandoned."""
         for rid in rids:
-            self.episodes.pop(rid, None)
+            if self.episodes.pop(rid, None) is not None:
+                self._ended.append(rid)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

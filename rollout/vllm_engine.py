@@ -73,6 +73,7 @@ class _Track:
     raw_logp: list = field(default_factory=list)
     versions: list = field(default_factory=list)
     first_token: float | None = None
+    cached: int = 0       # prompt tokens vLLM's prefix cache served (`Request.keep_kv`)
 
     def snapshot(self, version: int) -> E.Partial:
         r = self.req
@@ -186,6 +187,7 @@ class VllmEngine:
             if track is None:
                 continue
             c = out.outputs[0]
+            track.cached = max(track.cached, int(getattr(out, "num_cached_tokens", None) or 0))
             lp = c.logprobs
             for i, tok in enumerate(c.token_ids):
                 start = lp.start_indices[i]
@@ -202,7 +204,7 @@ class VllmEngine:
                 done.append(E.Completion(p.request_id, p.group_id, p.prompt_tokens, p.response_tokens, p.logp,
                                          p.raw_logp, p.versions, reason, int(p.versions[-1]),
                                          track.req.prefix_tokens.shape[0],
-                                         E.Timings(track.added, track.first_token, time.time())))
+                                         E.Timings(track.added, track.first_token, time.time()), track.cached))
         return done
 
     def abort(self, request_ids: Iterable[str]) -> list[E.Partial]:

@@ -321,6 +321,9 @@ class RolloutWorker:
         for error in self.turns.errors:
             self._event("env_error", **error)
         self.turns.errors.clear()
+        ended = self.turns.released()
+        if ended:  # their kept K/V (env.kv_policy: keep) go back to the engine's pool
+            self.engine.abort(ended)
         for f in finished:
             group = self.groups.get(f.partial.group_id)
             if group is None:  # released or re-issued meanwhile

@@ -233,4 +233,6 @@ class EngineFactory:
         return VllmEngine.from_tensors(tensors, version, config=config, workdir=self.workdir,
                                        tokenizer_dir=self.model_dir, max_num_seqs=r.max_concurrency,
                                        max_model_len=max_len, dtype=self.cfg.model.rollout_dtype,
-                                       num_kv_blocks=blocks, seed=self.seed, **extra)
+                                       num_kv_blocks=blocks, seed=self.seed,
+                                       enable_prefix_caching=self.cfg.env.name is not None
+                                       and self.cfg.env.kv_policy == "keep", **extra)

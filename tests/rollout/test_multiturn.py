@@ -109,7 +109,8 @@ class Weights(WeightSource):
         return (self.version, {}) if version < self.version else None
 
 
-def run_worker(policy, *, overrides=(), env=None, rows=None, until_groups=2, weights=None, on_tick=None):
+def run_worker(policy, *, overrides=(), env=None, rows=None, until_groups=2, weights=None, on_tick=None,
+               engine_cls=ScriptedEngine):
     cfg = load_config("configs/default.yaml", [
         "manager.mode=laminar", f"data.group_size={GROUP}", "rollout.max_concurrency=4", "rollout.max_new_tokens=80",
         "env.name=lookup", "env.max_total_tokens=120", "env.workers=4", *overrides])
@@ -120,7 +121,7 @@ def run_worker(policy, *, overrides=(), env=None, rows=None, until_groups=2, wei
     engines = []
 
     def make_engine(tensors, v):
-        engines.append(ScriptedEngine(policy, v))
+        engines.append(engine_cls(policy, v))
         return engines[-1]
 
     worker = RolloutWorker("r0", cfg, data, weights or Weights(), make_engine, TOK,

@@ -51,3 +51,16 @@ def test_rollout_gpu_memory_utilization_reaches_the_vllm_engine(monkeypatch, tmp
         engines.EngineFactory(cfg, None, workdir=str(tmp_path), accelerators=0.5, kind="GPU")({}, 0)
     assert [kw["gpu_memory_utilization"] for kw in seen] == [0.3, 0.45]
     assert engines.learner_env(load_config("configs/default.yaml", [])) == {}
+
+
+def test_env_kv_policy_turns_vllm_prefix_caching_on_for_multi_turn_runs_only(monkeypatch, tmp_path):
+    """`env.kv_policy: keep` is vLLM's prefix caching (the JAX engine keeps pages instead:
+    tests/rollout/test_jax_kv_keep.py). `from_tensors` is a recorder here, as above."""
+    from rollout import vllm_engine
+    seen = []
+    monkeypatch.setattr(vllm_engine.VllmEngine, "from_tensors",
+                        classmethod(lambda cls, tensors, version, **kw: seen.append(kw)))
+    for overrides in ([], ["env.name=lookup"], ["env.name=lookup", "env.kv_policy=release"]):
+        cfg = load_config("configs/default.yaml", ["rollout.engine=vllm", *overrides])
+        engines.EngineFactory(cfg, None, workdir=str(tmp_path))({}, 0)
+    assert [kw["enable_prefix_caching"] for kw in seen] == [False, True, False]

@@ -47,3 +47,7 @@ def test_tool_task_learns_to_call_the_tool(cluster, tmp_path):
     assert rate[-4:].mean() > rate[:4].mean() + 0.1, rate
     assert (m["tool/env_errors"] == 0).all() and (m["tool/env_timeouts"] == 0).all()
     assert (m["tool/calls_per_traj"] > 0).all() and (m["tool/tool_token_frac"] > 0).all()
+    # env.kv_policy: keep (the default): later turns reuse the kept K/V of the turns before them
+    again = traj[traj.env_turns >= 2]
+    assert (again.env_cached_tokens > 0).all() and (again.env_cached_tokens < again.env_context_tokens).all()
+    assert (m["tool/kv_reuse_frac"] > 0.5).all(), m["tool/kv_reuse_frac"].describe()
