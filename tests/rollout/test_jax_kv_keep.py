@@ -97,6 +97,7 @@ def test_kept_pages_serve_a_continuation_across_a_weight_switch_outside_exact_mo
     assert cont.num_cached_tokens == len(c.prompt_tokens) + len(c.response_tokens) - 1
 
 
+@pytest.mark.slow  # an exact-mode engine and the learner's log-probs compile here
 def test_exact_mode_reuses_kept_pages_on_their_own_version_only_and_stays_bit_identical():
     """Zero-mismatch mode: a kept continuation's tokens equal the learner's recompute bit for bit;
     after a weight switch the kept K/V are stale, so the continuation is prefilled in full."""
@@ -108,7 +109,8 @@ def test_exact_mode_reuses_kept_pages_on_their_own_version_only_and_stays_bit_id
     from laminar_jax.models.decoder import Decoder
     from laminar_jax.models.hf import params_to_hf
 
-    cfg = DecoderConfig.preset("tiny", attention="exact")
+    # the shapes of tests/rollout/test_jax_zero_mismatch.py (fp32), so the session compiles them once
+    cfg = DecoderConfig.preset("tiny", param_dtype="float32", dtype="float32", attention="exact")
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     params = jax.tree.map(np.asarray, nnx.state(model, nnx.Param).to_pure_dict())
     eng = JaxEngine(cfg, params, max_num_seqs=4, max_model_len=48, page_size=8, min_rows=4, min_window_pages=6)
