@@ -7,7 +7,10 @@ One `step()` is one RL iteration (paper section 4: a version is one global batch
     batch    <- assemble(groups)              fixed shapes per length bucket
     A        <- advantages (per group)        prox_logp / ref_logp when the loss needs them
     K x      state <- train(state, mini-batch)
-    version += 1; publisher.publish(version, params)     returns after the device-to-host copy
+    mismatch metrics                           this version's log-probs from the train step's
+                                              forward where it covers the batch (engine_metrics)
+    version += 1; publisher.publish(version, params)     returns after the device-to-host copy;
+                                              a writer thread runs the orbax save
     checkpoint every run.checkpoint_every versions or run.checkpoint_every_s seconds (orbax,
     async); its "checkpoint" event comes once orbax has committed it
 """
