@@ -1,6 +1,7 @@
 """Where a small run's time goes: the per-step breakdown and the start-up phases of `laminar train`.
 
     PYTHONPATH=$PWD .venv/bin/python experiments/bench_overhead.py [--steps 12] [--init FOLDER]
+        [--compare /work/main] [--states cold warm] [--configs small default]
 
 For each config ("default": configs/default.yaml; "small": one rollout, 4 prompts x 4 samples,
 32 new tokens) it runs `laminar train` twice as a fresh process: with an empty persistent JAX
@@ -14,6 +15,10 @@ but learner compute and the share of the data wait spent decoding), and the `sta
 (seconds from the driver's start to each phase's end). The process's launch-to-first-step time
 is measured here too (it adds the Python and JAX imports). Writes
 experiments/results/bench_overhead.json.
+
+`--compare TREE`: a before/after table in one run. Every run is made twice in a row, first with
+the other checkout's code (TREE: its configs, PYTHONPATH=TREE), then with this one's, each code
+with its own compile cache; the load average is recorded before and after each run.
 """
 from __future__ import annotations
 
@@ -48,7 +53,8 @@ def init_model(work: str) -> str:
     return folder
 
 
-def run_once(name: str, extra: list[str], *, init: str, steps: int, cache: str, work: str) -> dict:
+def run_once(name: str, extra: list[str], *, init: str, steps: int, cache: str, work: str,
+             repo: str = REPO) -> dict:
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.time()
@@ -56,7 +62,7 @@ def run_once(name: str, extra: list[str], *, init: str, steps: int, cache: str, 
     proc = subprocess.run([sys.executable, "-m", "laminar_jax.cli", "train", "configs/default.yaml",
                            f"model.hf_path={init}", f"run.steps={steps}", f"run.out_dir={work}", f"run.name={name}",
                            f"run.compile_cache={cache}", "run.log_every=100", *extra],
-                          cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                          cwd=repo, env=dict(os.environ, PYTHONPATH=repo), capture_output=True, text=True,
                           timeout=900)
     if proc.returncode:
         raise RuntimeError(f"{name}: laminar train failed:\n{proc.stderr[-3000:]}")
@@ -87,6 +93,22 @@ def print_breakdown(name: str, r: dict) -> None:
     print("  off the learner's path: " + ", ".join(f"{k} {b[k]:.3f}" for k in SIDE if k in b))
 
 
+def print_compare(results: dict) -> None:
+    """Before/after per config and cache state: each part's mean seconds per step."""
+    for key in [k[len("after:"):] for k in results if k.startswith("after:")]:
+        b, a = results.get(f"before:{key}"), results[f"after:{key}"]
+        if b is None:
+            continue
+        print(f"\n{key}: before -> after (load {b['load_before']:.1f}/{a['load_before']:.1f} at the start)")
+        print(f"  {'s per step':<26}{'before':>9}{'after':>9}{'after/before':>14}")
+        for k in ("step_wall_s", "overhead_s") + PARTS:
+            x, y = b["breakdown"].get(k), a["breakdown"].get(k)
+            if x is not None and y is not None:
+                print(f"  {k[:-2]:<26}{x:>9.3f}{y:>9.3f}{(y / x if x > 1e-9 else float('nan')):>14.2f}")
+        x, y = b["launch_to_first_step_s"], a["launch_to_first_step_s"]
+        print(f"  {'launch->first step':<26}{x:>9.1f}{y:>9.1f}{y / x:>14.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12)
@@ -94,18 +116,29 @@ def main() -> None:
     p.add_argument("--init", default=None, help="HF model folder (default: laminar sft once)")
     p.add_argument("--work", default="/tmp/laminar-bench-overhead")
     p.add_argument("--out", default=os.path.join(REPO, "experiments", "results", "bench_overhead.json"))
+    p.add_argument("--compare", default=None, metavar="TREE",
+                   help="another checkout (e.g. /work/main): each run is made with its code first (before)")
+    p.add_argument("--states", nargs="+", default=["cold", "warm"], choices=["cold", "warm"],
+                   help="warm alone still fills the cache with a cold run first (not reported)")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     init = a.init or init_model(a.work)
+    trees = [("before", os.path.abspath(a.compare)), ("after", REPO)] if a.compare else [("", REPO)]
     results = {}
     for name in a.configs:
-        cache = os.path.join(a.work, f"cache-{name}")
-        shutil.rmtree(cache, ignore_errors=True)
+        for label, _ in trees:
+            shutil.rmtree(os.path.join(a.work, f"cache-{label}{name}"), ignore_errors=True)
         for state in ("cold", "warm"):
-            key = f"{name}-{state}"
-            print(f"bench: {key} ...", flush=True)
-            results[key] = run_once(key, CONFIGS[name], init=init, steps=a.steps, cache=cache, work=a.work)
-            print_breakdown(key, results[key])
+            for label, repo in trees:   # interleaved: before and after back to back
+                key = f"{label + ':' if label else ''}{name}-{state}"
+                print(f"bench: {key} ...", flush=True)
+                r = run_once(key.replace(":", "-"), CONFIGS[name], init=init, steps=a.steps, repo=repo,
+                             cache=os.path.join(a.work, f"cache-{label}{name}"), work=a.work)
+                if state in a.states:
+                    results[key] = r
+                    print_breakdown(key, r)
+    if a.compare:
+        print_compare(results)
     print("\nstart-up (s from the driver's start to the end of each phase; launch adds the imports)")
     phases = ["ray_s", "actors_s", "rollouts_s", "learner_s", "relays_s", "publish_s", "first_step_s"]
     print(f"  {'run':<16}" + "".join(f"{k[:-2]:>11}" for k in phases) + f"{'launch->1st':>13}")
@@ -114,7 +147,8 @@ def main() -> None:
               + f"{r['launch_to_first_step_s']:>13.1f}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"steps": a.steps, "init": init, "cores": os.cpu_count(), "runs": results}, f, indent=1)
+        json.dump({"steps": a.steps, "init": init, "cores": os.cpu_count(), "compare": a.compare,
+                   "runs": results}, f, indent=1)
     print(f"\nwrote {a.out}")
 
 

@@ -13,6 +13,15 @@ tokens up to K versions stale count too. Other tokens are left out, as their gap
 the policy's change since. In sync mode every token counts; otherwise the measured share's count
 is `num_tokens` (every value is 0 when there is none).
 
+Where the current version's log-probs come from: the train step's own forward computes them for
+the rows it trains on, before its update (`rl_step.TOKEN_LOGP`), so no separate pass is run when
+that forward covers the whole batch at this version's params (`logp_from_train_step`). The
+separate pass stays for past versions, and where the forward does not cover it: several
+mini-batches of one batch (the later ones train on updated params), gradient accumulation
+(micro-batches), packed rows, a prox anchor at this version (the pass feeds the loss), and
+rollout.zero_mismatch (its bit-for-bit check is of the standalone forward, the program the
+engines' exact decoder mirrors; a forward fused with its backward is another XLA program).
+
 Keys are fixed per run: one set for every engine kind and pool of `rollout.pools`.
 """
 from __future__ import annotations
@@ -31,6 +40,20 @@ def row_labels(cfg: Any, rollout_id: str, table: dict | None = None) -> dict[str
     """The `pool` / `engine` columns of one trajectory's log row."""
     pool, engine = (table or labels(cfg)).get(rollout_id, (None, None))
     return {"pool": pool, "engine": engine}
+
+
+def logp_from_train_step(cfg: Any, mini_batch_rows: int) -> bool:
+    """Whether each update takes this version's learner log-probs of its batch from the train
+    step's forward (the module docstring says when it cannot)."""
+    from laminar_jax.manager import modes
+
+    lc, spec = cfg.learner, cfg.loss
+    # streamed mini-batches: each part of the batch is its own update (of one mini-batch)
+    one_update = lc.mini_batches == 1 or modes.streams_minibatches(cfg.manager.mode)
+    prox_now = (spec.needs_prox or lc.recompute_prox) and not spec.needs_ewma
+    micro = lc.micro_batch_size or mini_batch_rows
+    return (one_update and micro == mini_batch_rows and not lc.pack and not prox_now
+            and not getattr(cfg.rollout, "zero_mismatch", False))
 
 
 def at_token_versions(staleness: np.ndarray, logp_by_staleness: Mapping[int, Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,10 @@ One `step()` is one RL iteration (paper section 4: a version is one global batch
     batch    <- assemble(groups)              fixed shapes per length bucket
     A        <- advantages (per group)        prox_logp / ref_logp when the loss needs them
     K x      state <- train(state, mini-batch)
-    version += 1; publisher.publish(version, params)     returns after the device-to-host copy
+    mismatch metrics                           this version's log-probs from the train step's
+                                              forward where it covers the batch (engine_metrics)
+    version += 1; publisher.publish(version, params)     returns after the device-to-host copy;
+                                              a writer thread runs the orbax save
     checkpoint every run.checkpoint_every versions or run.checkpoint_every_s seconds (orbax,
     async); its "checkpoint" event comes once orbax has committed it
 """
@@ -85,7 +88,11 @@ class Learner:
         self.group_size, self.global_batch = cfg.data.group_size, cfg.learner.global_batch_groups
         self.setup = build(cfg, total_steps=cfg.run.steps)
         rows = self.global_batch // cfg.learner.mini_batches * self.group_size
-        self.fns = rl_step.build(cfg, self.setup, mini_batch_rows=rows)
+        # the engines' mismatch metrics: this version's log-probs from the train step's forward
+        # where it covers the batch; the separate pass over the batch for the rest
+        self._logp_from_step = engine_metrics.logp_from_train_step(cfg, rows)
+        self.fns = rl_step.build(cfg, self.setup, mini_batch_rows=rows,
+                                 batch_logp=not self._logp_from_step or cfg.learner.mismatch_versions > 0)
         clock.mark("build")
         self.state, self.version = self.setup.state, 0
         self._lock, self._events = threading.Lock(), []
@@ -222,14 +229,13 @@ class Learner:
         batch["advantages"], metrics = self.fns.advantages(batch, len(groups))
         clock = self._times.add("batch_s", clock)
         # the learner's log-probs at this version: the engines' mismatch metrics, and prox_logp
-        # when the anchor is this version's weights (packing carries it into the rows)
-        learner_logp = self.fns.logprobs(self.state.params, batch)
+        # when the anchor is this version's weights (packing carries it into the rows); taken
+        # from the train step's forward instead where it covers the batch (engine_metrics)
+        from_step = self._logp_from_step and mini_batches == 1
+        learner_logp = None if from_step else self.fns.logprobs(self.state.params, batch)
         stale = set(np.unique(batch["staleness"][batch["response_mask"] > 0]).astype(int).tolist())
-        mismatch_logp, measured = engine_metrics.at_token_versions(batch["staleness"], {
-            0: learner_logp, **{self.version - v: self.fns.logprobs(p, batch)   # only versions with tokens
-                                for v, p in self._past_params.items() if self.version - v in stale}})
-        metrics.update(engine_metrics.step_metrics(self.cfg, batch, mismatch_logp,
-                                                   [t.rollout_id for g in groups for t in g], measured))
+        past_logp = {self.version - v: self.fns.logprobs(p, batch)   # only versions with tokens
+                     for v, p in self._past_params.items() if self.version - v in stale}
         self._keep_params_for_mismatch()
         if self.fns.needs_prox and not self.cfg.loss.needs_ewma:
             batch["prox_logp"] = learner_logp
@@ -255,7 +261,13 @@ class Learner:
                 self.state, m = e.state, e.metrics
                 self._event("nonfinite_loss", version=self.version, loss=m.get("loss"))
             steps.append(self._rl_step.scalar_metrics(m, "loss/"))   # float(): waits for the update
-        self._times.add("update_s", clock)
+        clock = self._times.add("update_s", clock)
+        if from_step:   # one mini-batch, unpacked: its rows are the batch's
+            learner_logp = np.asarray(m[self._rl_step.TOKEN_LOGP], np.float32)
+        mismatch_logp, measured = engine_metrics.at_token_versions(batch["staleness"], {0: learner_logp, **past_logp})
+        metrics.update(engine_metrics.step_metrics(self.cfg, batch, mismatch_logp,
+                                                   [t.rollout_id for g in groups for t in g], measured))
+        self._times.add("batch_s", clock)
         # train-step shapes compiled inside this update (0 once learner.precompile covered them)
         metrics["learner/step_compiles"] = float(self.fns.train.call_compiles - compiled)
         # log-prob passes compiled inside this update, the batch's own included (its first use of

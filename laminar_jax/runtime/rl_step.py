@@ -32,6 +32,9 @@ from laminar_jax.runtime import batch as B
 from laminar_jax.rl.compose import keep_needs_learner, kept_mask, loss_normaliser, make_loss
 from laminar_jax.rl.ewma import ewma_params
 
+# the train step's metric holding its forward's per-token log-probs [rows, length] (one
+# micro-batch only: LearnerFns.token_logp); the learner's mismatch metrics read it
+TOKEN_LOGP = "token_logp"
 TRAIN_KEYS = ("tokens", "positions", "segment_ids", "response_mask", "behaviour_logp", "staleness",
               "advantages")
 
@@ -49,11 +52,13 @@ class LearnerFns(NamedTuple):
     precompile: Any = None    # precompile(state, rows, length, ...): the shapes of `batch_shapes`
     release: Any = None       # release(): drop `precompile(..., reserve=True)` promises not compiled
     loss: Any = None          # the un-jitted loss_fn(params, train_inputs) -> (loss, metrics)
+    token_logp: bool = False  # the train step's metrics hold TOKEN_LOGP
 
 
-def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
+def build(cfg: Any, setup: Any, *, mini_batch_rows: int, batch_logp: bool = True) -> LearnerFns:
     """Jitted functions for `setup` (a `learner.setup.LearnerSetup`) and a mini-batch of
-    `mini_batch_rows` sequences."""
+    `mini_batch_rows` sequences; `batch_logp`: the learner runs a log-prob pass over the whole
+    assembled batch (precompiled with the rest)."""
     spec, adv_spec = cfg.loss, cfg.advantage
     sharded, chunk = setup.sharded, cfg.learner.logprob_chunk
     rl_loss = make_loss(spec)
@@ -65,12 +70,18 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
                                          chunk_size=chunk, with_entropy=spec.needs_entropy,
                                          shardings=train_shardings)
         # segment ids: a packed row holds several sequences (sequence-level aggregation per segment)
-        return rl_loss(logp, behaviour_logp=mb["behaviour_logp"], advantages=mb["advantages"],
-                       mask=mb["response_mask"], prox_logp=mb.get("prox_logp"), ref_logp=mb.get("ref_logp"),
-                       staleness=mb["staleness"], normaliser=mb["normaliser"], entropy=ent,
-                       segment_ids=mb["segment_ids"])
+        loss, metrics = rl_loss(logp, behaviour_logp=mb["behaviour_logp"], advantages=mb["advantages"],
+                                mask=mb["response_mask"], prox_logp=mb.get("prox_logp"),
+                                ref_logp=mb.get("ref_logp"), staleness=mb["staleness"],
+                                normaliser=mb["normaliser"], entropy=ent, segment_ids=mb["segment_ids"])
+        if token_logp_aux:   # the forward's per-token log-probs, at the pre-update params
+            metrics = dict(metrics, **{TOKEN_LOGP: jax.lax.stop_gradient(logp)})
+        return loss, metrics
 
     micro = cfg.learner.micro_batch_size or mini_batch_rows
+    # one micro-batch: the step's metrics carry the learner's per-token log-probs of its rows
+    # (accumulated over micro-batches they would be summed rows of different sequences)
+    token_logp_aux = micro == mini_batch_rows
     div = shd.batch_divisor(setup.mesh)
     if mini_batch_rows % micro or micro % div:
         raise ValueError(f"learner.micro_batch_size={cfg.learner.micro_batch_size}: a mini-batch has "
@@ -142,8 +153,9 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
             getattr(adv_jit(num_groups), how)(f32, i32, f32, arr(jnp.float32, n, length))
             # the learner's log-probs of the whole batch (the engines' mismatch metrics, every
             # step): without this the first step of each bucket compiled them on the critical path
-            full = {k: arr(jnp.int32 if k in ints else jnp.float32, n, length) for k in logp_keys}
-            getattr(logp_jit, how)(state.params, *(full[k] for k in logp_keys))
+            if batch_logp:
+                full = {k: arr(jnp.int32 if k in ints else jnp.float32, n, length) for k in logp_keys}
+                getattr(logp_jit, how)(state.params, *(full[k] for k in logp_keys))
         if needs_prox or spec.needs_ref:   # the same signature as above: a no-op then
             getattr(logp_jit, how)(state.params, *(tok[k] for k in logp_keys))
         getattr(train, how)(state, {**tok, "normaliser": arr(jnp.float32)})
@@ -154,7 +166,7 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int) -> LearnerFns:
 
     return LearnerFns(adv_fn, logprobs, train, needs_prox, spec.needs_ref, inputs, prox_params,
                       row_multiple=(mini_batch_rows // micro) * div, mini_batch_rows=mini_batch_rows,
-                      precompile=precompile, release=release, loss=loss_fn)
+                      precompile=precompile, release=release, loss=loss_fn, token_logp=token_logp_aux)
 
 
 def batch_shapes(cfg: Any, fns: LearnerFns) -> list[tuple[int, int]]:

@@ -67,3 +67,59 @@ def test_short_form_is_one_pool_and_pool_fields_default_to_it():
     assert [(p.kv_budget_tokens, p.max_concurrency) for p in pools] == [(512, 8), (512, 8)]
     one = cfg.rollout.for_pool(pools[0])
     assert (one.engine, one.num_rollouts, one.pools, one.kv_budget_tokens) == ("vllm", 1, (), 512)
+
+
+def test_the_current_versions_logp_comes_from_the_train_step_where_its_forward_covers_the_batch():
+    base = ["learner.global_batch_groups=4", "data.group_size=4"]
+    cfg = lambda *x: load_config("configs/default.yaml", [*base, *x])  # noqa: E731
+    rows = 16
+    assert engine_metrics.logp_from_train_step(cfg(), rows)
+    assert engine_metrics.logp_from_train_step(cfg("manager.mode=stream", "learner.mini_batches=2"), rows // 2)
+    for extra in (["learner.mini_batches=2"],                  # the second trains on updated params
+                  ["learner.micro_batch_size=8"],              # accumulated: no per-row aux
+                  ["learner.pack=true"],                       # packed rows
+                  ["loss.correction.old=prox"],                # the pass feeds the loss
+                  ["learner.recompute_prox=true"],
+                  ["rollout.zero_mismatch=true"]):             # the check is of the standalone forward
+        assert not engine_metrics.logp_from_train_step(cfg(*extra), rows // (2 if "mini" in extra[0] else 1)), extra
+    assert engine_metrics.logp_from_train_step(cfg("loss.correction.old=ewma"), rows)   # prox from EWMA weights
+
+
+def test_mismatch_metrics_from_the_train_steps_forward_equal_the_separate_pass(tmp_path):
+    """A real learner update (no Ray: the actor class in-process): with the log-probs taken from
+    the train step's forward, no separate pass runs, and the mismatch metrics equal those of a
+    separate log-prob pass of the same params, bit for bit."""
+    from laminar_jax.data.records import Trajectory
+    from laminar_jax.runtime import batch as B, breakdown
+    from laminar_jax.runtime.learner_actor import Learner
+
+    cfg = load_config("configs/default.yaml", [
+        "learner.global_batch_groups=2", "data.group_size=4", "learner.precompile=false", "run.steps=2",
+        "learner.max_seq_len=32", "learner.min_bucket=16", f"relay.store_dir={tmp_path}/stores"])
+    learner = Learner(cfg, str(tmp_path / "run"), data=None, resume=False, store_root=str(tmp_path / "store"))
+    assert learner._logp_from_step
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(2):
+        prompt = rng.integers(3, 100, 5)
+        groups.append([Trajectory(f"g{g}", f"p{g}", i, "rollout-0", prompt, rng.integers(3, 100, n),
+                                  np.full(n, -1.5), np.full(n, -1.5), np.zeros(n, int), 0, float(i % 2), "stop")
+                       for i, n in enumerate(rng.integers(2, 9, 4))])
+    batch = B.assemble(groups, learner_version=0, max_seq_len=32, min_len=16, rows=8)
+    want = engine_metrics.step_metrics(cfg, batch, learner.fns.logprobs(learner.state.params, batch),
+                                       [t.rollout_id for g in groups for t in g])
+    calls = []
+
+    def counted(params, b):
+        calls.append(b["tokens"].shape)
+        return logprobs(params, b)
+    logprobs = learner.fns.logprobs
+    counted.aot = logprobs.aot
+    learner.fns = learner.fns._replace(logprobs=counted)
+    learner._times = breakdown.Stopwatch()
+    got, _ = learner._update(groups, 1)
+    assert calls == [], "no separate log-prob pass"
+    keys = [k for k in want if k.startswith("mismatch/")]
+    assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    assert got["mismatch/jax/num_tokens"] == sum(len(t.response_tokens) for g in groups for t in g)
+    learner.publisher.close()
