@@ -11,7 +11,10 @@ ablation of the paper's relay tier (section 4.1: storage on every rollout's crit
 A rollout asks `newer_than` on every loop turn it may load weights. `RelaySource` answers that
 from a version number a watcher thread keeps: one long-poll (`RelayWorker.wait_newer`) per version
 instead of an RPC per turn, and the buffer is mapped only when a newer version exists. An idle
-rollout blocks in `wait_newer` instead of spinning.
+rollout blocks in `wait_newer` instead of spinning. The long-poll's answer names the served buffer,
+so the rollout maps that one without asking the relay again: from a relay serving a version to
+its rollouts holding it costs the long-poll's reply and a map, not a second call through a relay
+that may be busy (a master just promoted restores and broadcasts on the same cores).
 """
 from __future__ import annotations
 
@@ -81,9 +84,11 @@ class RelaySource(WeightSource):
         self._home_seen = False                          # this node's relay was found once
         self._failed_at = -float("inf")                  # when the relay's calls began to fail
         self.seen_t: float | None = None                 # wall time the watcher saw _served
+        self._seen: tuple[Any, Any] | None = None         # (relay, Snapshot) of _served
         self.read_s: float | None = None                 # the last relay read (call + map)
         self._behind: tuple[int, float] | None = None    # (store's newest, when first seen unserved)
         self.rpcs = 0                                    # relay calls made (tests count them)
+        self.pull_rpcs = 0                               # ... of them by a pull (not the watcher)
         self.via = "relay"          # where the last answer came from: "relay" or "store"
         self.fallbacks = 0
         self.last_error: str | None = None
@@ -192,7 +197,7 @@ class RelaySource(WeightSource):
             with self._cond:
                 self._failing = False
                 if snap is not None and snap.version > self._served:
-                    self._served, self.seen_t = snap.version, time.time()
+                    self._served, self.seen_t, self._seen = snap.version, time.time(), (relay, snap)
                 self._cond.notify_all()
             if self._foreign:
                 self._go_home()
@@ -203,8 +208,11 @@ class RelaySource(WeightSource):
 
         t0 = time.perf_counter()
         try:
-            self.rpcs += 1
-            got = pull(self._handle(), newer_than=version, timeout_s=0.0, call_timeout_s=self.call_timeout_s)
+            got = self._read_seen(version)
+            if got is None:   # superseded since the watcher saw it: ask the relay for its newest
+                self.rpcs += 1
+                self.pull_rpcs += 1
+                got = pull(self._handle(), newer_than=version, timeout_s=0.0, call_timeout_s=self.call_timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError, OSError) as e:
             # dead, restarting, or not registered yet (get_actor's ValueError); OSError: the
             # shared buffer of a relay process that just died cannot be mapped any more
@@ -218,6 +226,23 @@ class RelaySource(WeightSource):
         out = got[0], flat.unflatten(got[1], got[2])
         self.read_s = time.perf_counter() - t0
         return out
+
+    def _read_seen(self, version: int) -> tuple[int, Any, Any] | None:
+        """(version, buffer, index) of the snapshot the watcher's long-poll returned, when it is
+        newer than `version` and its buffer is still there (`relay.read`: mapped, no call on the
+        same host); None when the relay has replaced it since (the caller asks for the newest)."""
+        from laminar_jax.weights import shared_buffer
+        from laminar_jax.weights.relay import read
+
+        with self._cond:
+            seen = self._seen
+        if seen is None or seen[1].version <= version:
+            return None
+        relay, snap = seen
+        try:
+            return snap.version, read(relay, snap, call_timeout_s=self.call_timeout_s), snap.index
+        except (shared_buffer.BufferGone, ray.exceptions.RayError):
+            return None   # replaced, or its relay died with the object-store copy: ask again
 
     def _use_store(self) -> bool:
         """Read the store: the relay failed more than FAILOVER_GRACE_S ago and none answers yet

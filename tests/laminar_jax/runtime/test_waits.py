@@ -5,7 +5,8 @@
 - `RelaySource` (a rollout's view of its node's relay, a real RelayGroup with a real publisher)
   answers `newer_than` without calling the relay while nothing newer is served (one long-poll per
   version instead), and `wait_newer` returns a version as soon as it is served, with the bytes
-  the relay serves.
+  the relay serves, mapped from the buffer the long-poll named (no second call; a replaced one
+  is not read).
 """
 import threading
 import time
@@ -94,7 +95,17 @@ def test_relay_source_long_polls_instead_of_polling(cluster, tmp_path):
         version, buffer, index = pull(group.relay_for(head))
         want = flat.unflatten(buffer, index)
         assert set(got[1]) == set(want) and all(np.array_equal(got[1][k], want[k]) for k in want)
+        # the rollout mapped the buffer the watcher's long-poll named: no second relay call
+        assert source.pull_rpcs == 0
         assert source.newer_than(1) is None and source.wait_newer(1, 0.2) is None
+        # a snapshot the relay has replaced since (its buffer released) is not read: the pull
+        # asks the relay for its newest instead
+        seen = source._seen
+        pub.publish(2, params)
+        got = source.wait_newer(1, 120.0)
+        assert got is not None and got[0] == 2 and source.pull_rpcs == 0
+        source._seen = seen
+        assert source._pull(0)[0] == 2 and source.pull_rpcs == 1
     finally:
         pub.close()
         group.shutdown()
