@@ -109,3 +109,51 @@ def test_relay_source_long_polls_instead_of_polling(cluster, tmp_path):
     finally:
         pub.close()
         group.shutdown()
+
+
+
+class _Unanswered:
+    """A data actor's method whose answer never comes: each call is a real Ray task that no node
+    can run (it asks for a resource none has), so its ObjectRef never resolves; no process is
+    started for it, and the refs are cancelled afterwards."""
+
+    def __init__(self):
+        self.refs = []
+        self._task = ray.remote(resources={"no-node-has-this": 1})(lambda *args: [])
+
+    def remote(self, *args):
+        self.refs.append(self._task.remote(*args))
+        return self.refs[-1]
+
+
+class _Tok:
+    stop_token_ids = (0,)
+
+
+class _Engine:
+    weight_version = 3
+
+    def has_unfinished(self):
+        return False
+
+
+def test_a_rollout_whose_data_actor_does_not_answer_fails_naming_the_call(cluster, monkeypatch):
+    from types import SimpleNamespace
+
+    from laminar_jax.config import load_config
+    from laminar_jax.weights.source import WeightSource
+    from rollout import worker as W
+
+    issue = _Unanswered()
+    worker = W.RolloutWorker("r0", load_config("configs/default.yaml", []), SimpleNamespace(issue=issue),
+                             WeightSource(), lambda t, v: None, _Tok(), reward=None)
+    worker.engine = _Engine()
+    monkeypatch.setattr(W, "DATA_CALL_TIMEOUT_S", 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"rollout r0: the data actor's issue\(\) did not answer within 0.3 s"):
+            worker._take()
+        assert len(issue.refs) == 1 and time.monotonic() - t0 < 10
+    finally:
+        for ref in issue.refs:
+            ray.cancel(ref)
