@@ -28,10 +28,22 @@ import ray
 WATCH_POLL_S = 10.0
 # after the relay failed, the watcher asks another relay this soon (then every retry_s)
 FAILOVER_RETRY_S = 0.05
+# while on another node's relay, the watcher goes home once this node's relay serves the same
+# version; it waits this long for it after each version (the chain's next hop lags by ms)
+HOME_WAIT_S = 0.5
 # after the relay failed, rollouts wait this long for another relay before reading the store
 FAILOVER_GRACE_S = 2.0
 # relays off: how often an idle rollout lists the weight store while it waits
 STORE_POLL_S = 0.05
+
+
+def retry_plan(failures: int, was_foreign: bool, retry_s: float) -> tuple[bool, float]:
+    """(avoid this node's relay, seconds to wait) before the watcher's next try, after its
+    `failures`-th failure in a row. The first retry, at once: another node's relay when this
+    node's failed, this node's when another's did (a master dying while this node's relay is
+    back: no reason to wait for a third relay); the second, at once too, the other way round;
+    then every retry_s."""
+    return failures == 1 and not was_foreign, FAILOVER_RETRY_S if failures <= 2 else retry_s
 
 
 class WeightSource:
@@ -150,7 +162,9 @@ class RelaySource(WeightSource):
         from laminar_jax.weights.relay_group import local_relay
         try:
             home = local_relay(self.prefix, self.namespace)
-            snap = ray.get(home.latest.remote(), timeout=self.call_timeout_s)
+            # the version just seen on the foreign relay reaches this node's own a hop later
+            snap = ray.get(home.wait_newer.remote(self._served - 1, HOME_WAIT_S),
+                           timeout=HOME_WAIT_S + self.call_timeout_s)
         except Exception:  # noqa: BLE001 - not back yet
             return
         if snap is not None and snap.version >= self._served:
@@ -173,11 +187,13 @@ class RelaySource(WeightSource):
         """Long-polls the relay for the next served version and records its number. When the
         relay fails, another relay of the group is asked at once (`_handle`), and a quick
         `latest` call on it ends the store fallback; with none answering, the lookup is retried
-        every retry_s. While on another relay, this node's own is tried again after each poll."""
-        fresh, failures = True, 0
+        every retry_s. While on another relay, this node's own is tried again after each poll;
+        when that other relay is the one that fails (a master dying while this node's relay is
+        back), the first retry goes home."""
+        fresh, failures, avoid_home = True, 0, False
         while ray.is_initialized():   # never auto-start a Ray of its own after a shutdown
             try:
-                relay = self._handle(avoid_home=failures == 1)
+                relay = self._handle(avoid_home=avoid_home)
                 self.rpcs += 1
                 if fresh:   # just (re)connected: answer at once, so rollouts stop reading the store
                     snap = ray.get(relay.latest.remote(), timeout=self.call_timeout_s)
@@ -186,14 +202,15 @@ class RelaySource(WeightSource):
                                    timeout=WATCH_POLL_S + self.call_timeout_s)
             except Exception as e:  # noqa: BLE001 - relay restarting or gone: look it up again
                 with self._cond:
+                    was_foreign = self._foreign
                     self._fail(e)
                     self._cond.notify_all()
                 failures += 1
                 fresh = True
-                # the first retry goes to another relay at once; after that, every retry_s
-                time.sleep(FAILOVER_RETRY_S if failures == 1 else self.retry_s)
+                avoid_home, wait_s = retry_plan(failures, was_foreign, self.retry_s)
+                time.sleep(wait_s)
                 continue
-            fresh, failures = False, 0
+            fresh, failures, avoid_home = False, 0, False
             with self._cond:
                 self._failing = False
                 if snap is not None and snap.version > self._served:
