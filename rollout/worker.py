@@ -281,7 +281,7 @@ class RolloutWorker:
         free = self.groups_per_batch - len(self.groups)
         if free <= 0:
             return
-        t0 = time.perf_counter()
+        t0, decided = time.perf_counter(), time.time()
         groups = self._data_call("issue", free, self.id, self.engine.weight_version)
         self.counters["rpc_s"] += time.perf_counter() - t0
         if not groups:
@@ -293,8 +293,11 @@ class RolloutWorker:
         # and mix versions in its trajectories.
         self._released = False
         now = time.time()
+        # decided_t: when the rollout chose to start work on these weights (before the issue
+        # call, which may take a while on a loaded machine: a version published meanwhile was
+        # not there to wait for)
         self._event("batch", version=self.engine.weight_version, group_ids=[g.group_id for g in groups],
-                    fresh=not self.groups)
+                    fresh=not self.groups, decided_t=decided)
         for g in groups:
             self.groups[g.group_id] = _Group(g, now)
             try:

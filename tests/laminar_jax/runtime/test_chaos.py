@@ -69,3 +69,16 @@ def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, wa
     assert r["faults"][2]["standby_warm"] is True, r["faults"][2]
     assert m["ratio_relays_from_kill"] <= MASTER_RATIO, m
     assert m["ratio_rollouts_from_kill"] <= MASTER_RATIO, m
+
+
+def test_a_batch_counts_from_when_its_rollout_chose_its_weights():
+    # v5 written at 10.0; the rollout chose to start a batch on v4 at 9.9, its issue call
+    # returned at 10.5 (the batch event's time), the batch ended at 11.0 and v5 was loaded at
+    # 11.05: the weight path took 0.05 s. Chosen after the publish, the batch counts in full.
+    t = lambda e: e["t"]  # noqa: E731
+    pulls = [{"rollout": "r", "version": 4, "t": 1.0}, {"rollout": "r", "version": 5, "t": 11.05, "free_since": 11.0}]
+    batch = {"rollout": "r", "version": 4, "t": 10.5, "decided_t": 9.9}
+    got = chaos._reached(pulls, {5: 10.0}, t, batches=[batch], path=True)
+    assert abs(got[5] - 0.05) < 1e-9
+    got = chaos._reached(pulls, {5: 10.0}, t, batches=[dict(batch, decided_t=10.2)], path=True)
+    assert abs(got[5] - 1.05) < 1e-9
