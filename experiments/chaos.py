@@ -315,7 +315,8 @@ def _reached(pulls: list[dict], written: dict[int, float], t,
     path=True: the weight path's part only. A rollout in the middle of a batch it began before
     v was written cannot load v until that batch ends (laminar mode loads between batches), so
     its time counts from the batch's end (the pull's `free_since`). A batch it began after v was
-    written, on older weights, counts in full: v existed and had not reached it. `since`: per
+    written (chosen after it: `decided_t`), on older weights, counts in full: v existed and had
+    not reached it. `since`: per
     version, a later time to count from (a master fault: the kill, when v was written before)."""
     ends = ends or {}
     lives: dict[tuple[str, int], list[tuple[int, float, float | None]]] = {}
@@ -324,8 +325,8 @@ def _reached(pulls: list[dict], written: dict[int, float], t,
     for e in sorted(pulls, key=t):
         lives.setdefault(life_of(e), []).append((e["version"], t(e), e.get("free_since")))
     started: dict[tuple[str, int], list[tuple[float, int]]] = {}
-    for e in batches or []:
-        started.setdefault(life_of(e), []).append((t(e), e["version"]))
+    for e in batches or []:   # begun when the rollout chose its weights, before the issue call
+        started.setdefault(life_of(e), []).append((e.get("decided_t", t(e)), e["version"]))
     out = {}
     for v, tw in written.items():
         times = []

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+import ray
 
 from laminar_jax.data.records import PartialTrajectory, PromptGroup, Trajectory, parse_request_id, request_id
 from laminar_jax.manager import modes
@@ -36,6 +37,10 @@ from rollout.rpc import call, node_id, send
 # longest an idle rollout blocks waiting for newer weights before it asks the data actor for work
 # again (work not tied to a new version: re-queued groups, a buffer that drained)
 IDLE_WAIT_S = 0.1
+# a data-actor call (issue, deliver, reject) answers in milliseconds; one unanswered this long is
+# a hung data actor: the rollout fails with an error naming the call (the manager's heartbeat
+# sees it and replaces the rollout) instead of holding its lock, and so its heartbeats, for good
+DATA_CALL_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -276,8 +281,8 @@ class RolloutWorker:
         free = self.groups_per_batch - len(self.groups)
         if free <= 0:
             return
-        t0 = time.perf_counter()
-        groups = call(self.data.issue, free, self.id, self.engine.weight_version)
+        t0, decided = time.perf_counter(), time.time()
+        groups = self._data_call("issue", free, self.id, self.engine.weight_version)
         self.counters["rpc_s"] += time.perf_counter() - t0
         if not groups:
             return
@@ -288,8 +293,11 @@ class RolloutWorker:
         # and mix versions in its trajectories.
         self._released = False
         now = time.time()
+        # decided_t: when the rollout chose to start work on these weights (before the issue
+        # call, which may take a while on a loaded machine: a version published meanwhile was
+        # not there to wait for)
         self._event("batch", version=self.engine.weight_version, group_ids=[g.group_id for g in groups],
-                    fresh=not self.groups)
+                    fresh=not self.groups, decided_t=decided)
         for g in groups:
             self.groups[g.group_id] = _Group(g, now)
             try:
@@ -300,7 +308,7 @@ class RolloutWorker:
                 if self.turns is not None:
                     self.turns.drop(g.request_ids())
                 del self.groups[g.group_id]
-                call(self.data.reject, g.group_id, str(e))
+                self._data_call("reject", g.group_id, str(e))
                 self._event("group_rejected", group_id=g.group_id, error=str(e))
 
     # ------------------------------------------------------------------ finished samples
@@ -423,12 +431,19 @@ class RolloutWorker:
         self._collect_scored()
         while self.undelivered:
             t0 = time.perf_counter()
-            ok = call(self.data.deliver, self.undelivered[0])
+            ok = self._data_call("deliver", self.undelivered[0])
             self.counters["rpc_s"] += time.perf_counter() - t0
             if not ok:
                 return  # buffer full: back-pressure, retry next tick
             self.undelivered.pop(0)
             self.counters["groups_delivered"] += 1
+
+    def _data_call(self, name: str, *args: Any) -> Any:
+        try:
+            return call(getattr(self.data, name), *args, timeout=DATA_CALL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"rollout {self.id}: the data actor's {name}() did not answer within "
+                               f"{DATA_CALL_TIMEOUT_S:g} s") from None
 
     def _snapshot(self) -> list[PartialTrajectory]:
         out = []

@@ -11,7 +11,10 @@ ablation of the paper's relay tier (section 4.1: storage on every rollout's crit
 A rollout asks `newer_than` on every loop turn it may load weights. `RelaySource` answers that
 from a version number a watcher thread keeps: one long-poll (`RelayWorker.wait_newer`) per version
 instead of an RPC per turn, and the buffer is mapped only when a newer version exists. An idle
-rollout blocks in `wait_newer` instead of spinning.
+rollout blocks in `wait_newer` instead of spinning. The long-poll's answer names the served buffer,
+so the rollout maps that one without asking the relay again: from a relay serving a version to
+its rollouts holding it costs the long-poll's reply and a map, not a second call through a relay
+that may be busy (a master just promoted restores and broadcasts on the same cores).
 """
 from __future__ import annotations
 
@@ -25,10 +28,22 @@ import ray
 WATCH_POLL_S = 10.0
 # after the relay failed, the watcher asks another relay this soon (then every retry_s)
 FAILOVER_RETRY_S = 0.05
+# while on another node's relay, the watcher goes home once this node's relay serves the same
+# version; it waits this long for it after each version (the chain's next hop lags by ms)
+HOME_WAIT_S = 0.5
 # after the relay failed, rollouts wait this long for another relay before reading the store
 FAILOVER_GRACE_S = 2.0
 # relays off: how often an idle rollout lists the weight store while it waits
 STORE_POLL_S = 0.05
+
+
+def retry_plan(failures: int, was_foreign: bool, retry_s: float) -> tuple[bool, float]:
+    """(avoid this node's relay, seconds to wait) before the watcher's next try, after its
+    `failures`-th failure in a row. The first retry, at once: another node's relay when this
+    node's failed, this node's when another's did (a master dying while this node's relay is
+    back: no reason to wait for a third relay); the second, at once too, the other way round;
+    then every retry_s."""
+    return failures == 1 and not was_foreign, FAILOVER_RETRY_S if failures <= 2 else retry_s
 
 
 class WeightSource:
@@ -81,9 +96,11 @@ class RelaySource(WeightSource):
         self._home_seen = False                          # this node's relay was found once
         self._failed_at = -float("inf")                  # when the relay's calls began to fail
         self.seen_t: float | None = None                 # wall time the watcher saw _served
+        self._seen: tuple[Any, Any] | None = None         # (relay, Snapshot) of _served
         self.read_s: float | None = None                 # the last relay read (call + map)
         self._behind: tuple[int, float] | None = None    # (store's newest, when first seen unserved)
         self.rpcs = 0                                    # relay calls made (tests count them)
+        self.pull_rpcs = 0                               # ... of them by a pull (not the watcher)
         self.via = "relay"          # where the last answer came from: "relay" or "store"
         self.fallbacks = 0
         self.last_error: str | None = None
@@ -145,7 +162,9 @@ class RelaySource(WeightSource):
         from laminar_jax.weights.relay_group import local_relay
         try:
             home = local_relay(self.prefix, self.namespace)
-            snap = ray.get(home.latest.remote(), timeout=self.call_timeout_s)
+            # the version just seen on the foreign relay reaches this node's own a hop later
+            snap = ray.get(home.wait_newer.remote(self._served - 1, HOME_WAIT_S),
+                           timeout=HOME_WAIT_S + self.call_timeout_s)
         except Exception:  # noqa: BLE001 - not back yet
             return
         if snap is not None and snap.version >= self._served:
@@ -168,11 +187,13 @@ class RelaySource(WeightSource):
         """Long-polls the relay for the next served version and records its number. When the
         relay fails, another relay of the group is asked at once (`_handle`), and a quick
         `latest` call on it ends the store fallback; with none answering, the lookup is retried
-        every retry_s. While on another relay, this node's own is tried again after each poll."""
-        fresh, failures = True, 0
+        every retry_s. While on another relay, this node's own is tried again after each poll;
+        when that other relay is the one that fails (a master dying while this node's relay is
+        back), the first retry goes home."""
+        fresh, failures, avoid_home = True, 0, False
         while ray.is_initialized():   # never auto-start a Ray of its own after a shutdown
             try:
-                relay = self._handle(avoid_home=failures == 1)
+                relay = self._handle(avoid_home=avoid_home)
                 self.rpcs += 1
                 if fresh:   # just (re)connected: answer at once, so rollouts stop reading the store
                     snap = ray.get(relay.latest.remote(), timeout=self.call_timeout_s)
@@ -181,18 +202,19 @@ class RelaySource(WeightSource):
                                    timeout=WATCH_POLL_S + self.call_timeout_s)
             except Exception as e:  # noqa: BLE001 - relay restarting or gone: look it up again
                 with self._cond:
+                    was_foreign = self._foreign
                     self._fail(e)
                     self._cond.notify_all()
                 failures += 1
                 fresh = True
-                # the first retry goes to another relay at once; after that, every retry_s
-                time.sleep(FAILOVER_RETRY_S if failures == 1 else self.retry_s)
+                avoid_home, wait_s = retry_plan(failures, was_foreign, self.retry_s)
+                time.sleep(wait_s)
                 continue
-            fresh, failures = False, 0
+            fresh, failures, avoid_home = False, 0, False
             with self._cond:
                 self._failing = False
                 if snap is not None and snap.version > self._served:
-                    self._served, self.seen_t = snap.version, time.time()
+                    self._served, self.seen_t, self._seen = snap.version, time.time(), (relay, snap)
                 self._cond.notify_all()
             if self._foreign:
                 self._go_home()
@@ -203,8 +225,11 @@ class RelaySource(WeightSource):
 
         t0 = time.perf_counter()
         try:
-            self.rpcs += 1
-            got = pull(self._handle(), newer_than=version, timeout_s=0.0, call_timeout_s=self.call_timeout_s)
+            got = self._read_seen(version)
+            if got is None:   # superseded since the watcher saw it: ask the relay for its newest
+                self.rpcs += 1
+                self.pull_rpcs += 1
+                got = pull(self._handle(), newer_than=version, timeout_s=0.0, call_timeout_s=self.call_timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError, OSError) as e:
             # dead, restarting, or not registered yet (get_actor's ValueError); OSError: the
             # shared buffer of a relay process that just died cannot be mapped any more
@@ -218,6 +243,23 @@ class RelaySource(WeightSource):
         out = got[0], flat.unflatten(got[1], got[2])
         self.read_s = time.perf_counter() - t0
         return out
+
+    def _read_seen(self, version: int) -> tuple[int, Any, Any] | None:
+        """(version, buffer, index) of the snapshot the watcher's long-poll returned, when it is
+        newer than `version` and its buffer is still there (`relay.read`: mapped, no call on the
+        same host); None when the relay has replaced it since (the caller asks for the newest)."""
+        from laminar_jax.weights import shared_buffer
+        from laminar_jax.weights.relay import read
+
+        with self._cond:
+            seen = self._seen
+        if seen is None or seen[1].version <= version:
+            return None
+        relay, snap = seen
+        try:
+            return snap.version, read(relay, snap, call_timeout_s=self.call_timeout_s), snap.index
+        except (shared_buffer.BufferGone, ray.exceptions.RayError):
+            return None   # replaced, or its relay died with the object-store copy: ask again
 
     def _use_store(self) -> bool:
         """Read the store: the relay failed more than FAILOVER_GRACE_S ago and none answers yet

@@ -5,7 +5,8 @@
 - `RelaySource` (a rollout's view of its node's relay, a real RelayGroup with a real publisher)
   answers `newer_than` without calling the relay while nothing newer is served (one long-poll per
   version instead), and `wait_newer` returns a version as soon as it is served, with the bytes
-  the relay serves.
+  the relay serves, mapped from the buffer the long-poll named (no second call; a replaced one
+  is not read).
 """
 import threading
 import time
@@ -94,7 +95,65 @@ def test_relay_source_long_polls_instead_of_polling(cluster, tmp_path):
         version, buffer, index = pull(group.relay_for(head))
         want = flat.unflatten(buffer, index)
         assert set(got[1]) == set(want) and all(np.array_equal(got[1][k], want[k]) for k in want)
+        # the rollout mapped the buffer the watcher's long-poll named: no second relay call
+        assert source.pull_rpcs == 0
         assert source.newer_than(1) is None and source.wait_newer(1, 0.2) is None
+        # a snapshot the relay has replaced since (its buffer released) is not read: the pull
+        # asks the relay for its newest instead
+        seen = source._seen
+        pub.publish(2, params)
+        got = source.wait_newer(1, 120.0)
+        assert got is not None and got[0] == 2 and source.pull_rpcs == 0
+        source._seen = seen
+        assert source._pull(0)[0] == 2 and source.pull_rpcs == 1
     finally:
         pub.close()
         group.shutdown()
+
+
+
+class _Unanswered:
+    """A data actor's method whose answer never comes: each call is a real Ray task that no node
+    can run (it asks for a resource none has), so its ObjectRef never resolves; no process is
+    started for it, and the refs are cancelled afterwards."""
+
+    def __init__(self):
+        self.refs = []
+        self._task = ray.remote(resources={"no-node-has-this": 1})(lambda *args: [])
+
+    def remote(self, *args):
+        self.refs.append(self._task.remote(*args))
+        return self.refs[-1]
+
+
+class _Tok:
+    stop_token_ids = (0,)
+
+
+class _Engine:
+    weight_version = 3
+
+    def has_unfinished(self):
+        return False
+
+
+def test_a_rollout_whose_data_actor_does_not_answer_fails_naming_the_call(cluster, monkeypatch):
+    from types import SimpleNamespace
+
+    from laminar_jax.config import load_config
+    from laminar_jax.weights.source import WeightSource
+    from rollout import worker as W
+
+    issue = _Unanswered()
+    worker = W.RolloutWorker("r0", load_config("configs/default.yaml", []), SimpleNamespace(issue=issue),
+                             WeightSource(), lambda t, v: None, _Tok(), reward=None)
+    worker.engine = _Engine()
+    monkeypatch.setattr(W, "DATA_CALL_TIMEOUT_S", 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"rollout r0: the data actor's issue\(\) did not answer within 0.3 s"):
+            worker._take()
+        assert len(issue.refs) == 1 and time.monotonic() - t0 < 10
+    finally:
+        for ref in issue.refs:
+            ray.cancel(ref)

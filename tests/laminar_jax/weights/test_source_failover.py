@@ -92,3 +92,13 @@ def test_worker_takes_no_new_work_while_its_source_catches_up():
     worker._last_poll = 0.0
     worker._tick()
     assert data.issues == 1
+
+
+def test_the_watcher_retries_at_once_the_relay_that_did_not_fail():
+    # this node's relay failed: another node's at once, this node's again at once, then every retry_s
+    assert [S.retry_plan(n, False, 2.0) for n in (1, 2, 3)] == [(True, S.FAILOVER_RETRY_S), (False, S.FAILOVER_RETRY_S),
+                                                                (False, 2.0)]
+    # another node's relay failed (a master dying while this node's relay is back): home at once.
+    # Before, the first retry avoided home here too, found no third relay, and waited retry_s.
+    assert [S.retry_plan(n, True, 2.0) for n in (1, 2, 3)] == [(False, S.FAILOVER_RETRY_S), (False, S.FAILOVER_RETRY_S),
+                                                               (False, 2.0)]

@@ -27,7 +27,7 @@ def test_chunk_count_keeps_chunks_under_the_byte_cap_and_honours_a_fixed_k():
     assert _role(chain_length=9, num_chunks=5).chunks_for(3) == 3
 
 
-def test_prepare_gives_the_engine_layout_of_the_stored_version(tmp_path):
+def test_prepare_gives_the_engine_layout_of_the_stored_version(tmp_path, monkeypatch):
     cfg = DecoderConfig.preset("tiny")
     rng = np.random.default_rng(0)
     tensors = {e.hf_name: rng.standard_normal(e.hf_shape).astype(np.float32) for e in hf.name_map(cfg)}
@@ -47,4 +47,13 @@ def test_prepare_gives_the_engine_layout_of_the_stored_version(tmp_path):
     pub.publish(4, params)
     pub.wait_until_written()
     assert master.prune(role, 4) == [3] and store.versions() == [4]
+    # a master promoted on another node that sees the store's folder (another node of the same
+    # host) prunes it itself: no task on the store's node, whose worker start costs seconds
+    elsewhere = master.MasterRole(store=publish.WeightStore(store.root, node_id="another-node"), cfg=cfg,
+                                  chain_length=4)
+    assert not elsewhere.store.readable_from("this-node")
+    monkeypatch.setattr(publish, "_on_store_node", lambda *a: pytest.fail("pruned through a task"))
+    pub.publish(5, params)
+    pub.wait_until_written()
+    assert master.prune(elsewhere, 5) == [4] and store.versions() == [5]
     pub.close()
