@@ -85,7 +85,7 @@ def sequence_logprobs(model: Any, tokens: jax.Array, positions: jax.Array,
                       segment_ids: jax.Array | None = None, *,
                       response_mask: jax.Array | None = None, chunk_size: int = 128,
                       temperature: float = 1.0, with_entropy: bool = False,
-                      shardings: Any = None) -> tuple[jax.Array, jax.Array | None]:
+                      shardings: Any = None, layer_grad_acc: Any = None) -> tuple[jax.Array, jax.Array | None]:
     """Log-probs of each token given its prefix, aligned with ``tokens``.
 
     ``logp[b, t] = log p(tokens[b, t] | tokens[b, s < t] of the same segment)``; it is 0 at the
@@ -95,6 +95,8 @@ def sequence_logprobs(model: Any, tokens: jax.Array, positions: jax.Array,
     segment_ids)`` and ``lm_head_kernel()`` (``models.decoder.Decoder``). ``shardings``: the
     model's ``models.decoder.TrainShardings`` on a mesh (``ShardedModel.train_shardings()``), so
     activations, logits chunks and gathered weights stay split over the batch axes (FSDP).
+    ``layer_grad_acc``: the gradient accumulator of the layer params, passed to
+    ``model.hidden`` (``learner.train_step.accumulate_gradients``).
     """
     chex.assert_rank([tokens, positions], 2)
     chex.assert_equal_shape([tokens, positions])
@@ -106,10 +108,11 @@ def sequence_logprobs(model: Any, tokens: jax.Array, positions: jax.Array,
     if response_mask is not None:
         chex.assert_equal_shape([tokens, response_mask])
         valid = valid & (response_mask != 0)
+    acc = {} if layer_grad_acc is None else {"layer_grad_acc": layer_grad_acc}
     if shardings is None:
-        hidden, head = model.hidden(tokens, positions, segment_ids), model.lm_head_kernel()
+        hidden, head = model.hidden(tokens, positions, segment_ids, **acc), model.lm_head_kernel()
     else:
-        hidden = model.hidden(tokens, positions, segment_ids, shardings=shardings)
+        hidden = model.hidden(tokens, positions, segment_ids, shardings=shardings, **acc)
         # gathered once in the compute dtype (the chunks cast it to that anyway)
         head = jax.lax.with_sharding_constraint(model.lm_head_kernel().astype(hidden.dtype),
                                                 shardings.lm_head)

@@ -6,7 +6,11 @@ Gradient accumulation over ``num_micro_batches`` M:
 
 a plain sum, so a loss that divides by a *global* normaliser (e.g. the response-token count of the
 whole mini-batch, passed in the batch as a scalar) gives exactly the big-batch loss and gradient,
-whatever M is. Batch leaves of rank >= 1 are split along their leading axis (micro-batch m takes
+whatever M is. With ``loss_accumulates`` the loss takes the running sum as a third argument,
+``loss_fn(params, batch, grad_acc)``, and its gradient is ``grad_acc + d loss / d params``
+(``models.decoder.add_to_grad``, ``scan_layers_into``): the decoder's backward layer loop then
+adds each layer's gradient into the sum in place, instead of building the micro-batch's whole
+fp32 gradient next to it (one fp32 gradient copy per device instead of two). Batch leaves of rank >= 1 are split along their leading axis (micro-batch m takes
 rows m, m+M, m+2M, ..., which keeps every micro-batch spread over all batch shards without moving
 data); rank-0 leaves (normalisers, coefficients) go to every micro-batch unchanged.
 
@@ -77,7 +81,8 @@ def _merge(stacked_slice: Any, shared: Any) -> Any:
 def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *, num_micro_batches: int = 1,
                          param_shardings: Any = None, mesh=None,
                          rules: shd.Rules = shd.DEFAULT_RULES,
-                         metric_reduction: str = "sum") -> tuple[jax.Array, Any, Any]:
+                         metric_reduction: str = "sum",
+                         loss_accumulates: bool = False) -> tuple[jax.Array, Any, Any]:
     """``(loss, metrics, grads)`` summed over micro-batches (see the module docstring).
 
     ``metric_reduction="sum"`` sums metrics like the loss (exact for metrics normalised by the
@@ -100,10 +105,15 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *, num_micro_
         zeros_g = jax.lax.with_sharding_constraint(zeros_g, param_shardings)
     zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), dict(metrics_shape))
 
+    in_loss = loss_accumulates and all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+
     def body(carry, micro):
         g_acc, loss_acc, m_acc = carry
-        (loss, metrics), grads = grad_fn(params, _merge(micro, shared))
-        g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
+        if in_loss:  # the gradient comes back with g_acc already added (module docstring)
+            (loss, metrics), g_acc = grad_fn(params, _merge(micro, shared), g_acc)
+        else:
+            (loss, metrics), grads = grad_fn(params, _merge(micro, shared))
+            g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
         m_acc = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), m_acc, dict(metrics))
         return (g_acc, loss_acc + loss.astype(jnp.float32), m_acc), None
 
@@ -118,14 +128,15 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *, num_micro_
 def make_step_fn(loss_fn: LossFn, tx: optax.GradientTransformation, *,
                  schedule: optax.Schedule | None = None, num_micro_batches: int = 1,
                  param_shardings: Any = None, mesh=None, rules: shd.Rules = shd.DEFAULT_RULES,
-                 metric_reduction: str = "sum") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+                 metric_reduction: str = "sum",
+                 loss_accumulates: bool = False) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
     """The un-jitted step ``(state, batch) -> (state, metrics)``."""
 
     def step_fn(state: TrainState, batch: Any):
         loss, metrics, grads = accumulate_gradients(
             loss_fn, state.params, batch, num_micro_batches=num_micro_batches,
             param_shardings=param_shardings, mesh=mesh, rules=rules,
-            metric_reduction=metric_reduction)
+            metric_reduction=metric_reduction, loss_accumulates=loss_accumulates)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -217,17 +228,20 @@ class TrainStep:
     def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation,
                  state_shardings: TrainState, *, schedule: optax.Schedule | None = None,
                  num_micro_batches: int = 1, rules: shd.Rules = shd.DEFAULT_RULES,
-                 metric_reduction: str = "sum", donate: bool = True, check_finite: bool = True):
+                 metric_reduction: str = "sum", donate: bool = True, check_finite: bool = True,
+                 loss_accumulates: bool = False):
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
         self.state_shardings = state_shardings
         self.mesh = jax.tree.leaves(state_shardings.params)[0].mesh
         self.rules = rules
         self.check_finite = check_finite
+        self.loss_accumulates = loss_accumulates   # loss_fn(params, batch, grad_acc): module docstring
         self._step_fn = make_step_fn(loss_fn, tx, schedule=schedule,
                                      num_micro_batches=num_micro_batches,
                                      param_shardings=state_shardings.params, mesh=self.mesh,
-                                     rules=rules, metric_reduction=metric_reduction)
+                                     rules=rules, metric_reduction=metric_reduction,
+                                     loss_accumulates=loss_accumulates)
         self._donate = (0,) if donate else ()
         self._jitted: dict[Any, Any] = {}
 

@@ -54,6 +54,7 @@ from flax import nnx
 
 from laminar_jax.models import attention as A
 from laminar_jax.models import exact as X
+from laminar_jax.models.grad_accumulation import add_to_grad, scan_layers_into
 from laminar_jax.models import layers as L
 from laminar_jax.models.config import DecoderConfig
 
@@ -239,12 +240,15 @@ class Decoder(nnx.Module):
 
     # ------------------------------------------------------------------ training / scoring path
     def hidden(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,
-               shardings: TrainShardings | None = None) -> jax.Array:
+               shardings: TrainShardings | None = None, layer_grad_acc=None) -> jax.Array:
         """Final-normed hidden states [B, T, hidden] (compute dtype).
 
         Attention is causal within a row and restricted to equal segment ids (packed sequences);
         segment id 0 is padding. `segment_ids=None`: one unpadded sequence per row. `shardings`
         (under jit on a mesh): activations and per-layer gathered weights are pinned to them.
+        `layer_grad_acc` (gradient accumulation, `learner.train_step`): a tree like the layer
+        params whose sum with their gradient is what the vjp returns for them; with remat
+        "block" and matching dtypes it is summed in place (`scan_layers_into`), else added after.
         """
         cfg = self.cfg
         cos, sin = L.rope_cos_sin(cfg, positions)
@@ -264,9 +268,15 @@ class Decoder(nnx.Module):
                 x = pin(x, shardings.activations)
             return _block(cfg, p, x, cos, sin, attend, mlp_chunk=self.mlp_chunk)
 
-        body = apply_remat(body, self.remat)
         act = None if shardings is None else shardings.activations
-        x, _ = jax.lax.scan(body, pin(self._embed(tokens), act), self._layer_params())
+        x, layer_params = pin(self._embed(tokens), act), self._layer_params()
+        if layer_grad_acc is not None and self.remat == "block" and all(
+                a.dtype == p.dtype for a, p in zip(jax.tree.leaves(layer_grad_acc), jax.tree.leaves(layer_params))):
+            x = scan_layers_into(body, x, layer_params, layer_grad_acc)
+        else:
+            if layer_grad_acc is not None:
+                layer_params = add_to_grad(layer_params, layer_grad_acc)
+            x, _ = jax.lax.scan(apply_remat(body, self.remat), x, layer_params)
         return pin(self._final(x), act)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,

@@ -27,6 +27,7 @@ from laminar_jax import sharding as shd
 from laminar_jax.learner import distributed as dist
 from laminar_jax.learner import logprobs as lp
 from laminar_jax.learner.train_step import AheadOfTime, TrainStep
+from laminar_jax.models.grad_accumulation import decoder_params_into
 from laminar_jax.rl.advantages import advantages_from_spec
 from laminar_jax.runtime import batch as B
 from laminar_jax.rl.compose import keep_needs_learner, kept_mask, loss_normaliser, make_loss
@@ -64,11 +65,13 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int, batch_logp: bool = True
     rl_loss = make_loss(spec)
     train_shardings = sharded.train_shardings()
 
-    def loss_fn(params, mb):
+    def loss_fn(params, mb, grad_acc=None):
+        # gradient accumulation inside the backward pass (learner.train_step's loss_accumulates)
+        params, layer_acc = decoder_params_into(params, grad_acc)
         logp, ent = lp.sequence_logprobs(sharded.bind(params), mb["tokens"], mb["positions"],
                                          mb["segment_ids"], response_mask=mb["response_mask"],
                                          chunk_size=chunk, with_entropy=spec.needs_entropy,
-                                         shardings=train_shardings)
+                                         shardings=train_shardings, layer_grad_acc=layer_acc)
         # segment ids: a packed row holds several sequences (sequence-level aggregation per segment)
         loss, metrics = rl_loss(logp, behaviour_logp=mb["behaviour_logp"], advantages=mb["advantages"],
                                 mask=mb["response_mask"], prox_logp=mb.get("prox_logp"),
@@ -89,7 +92,8 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int, batch_logp: bool = True
                          f"which must be a multiple of the micro-batch, itself a multiple of the mesh's "
                          f"data x fsdp = {div}")
     train = TrainStep(loss_fn, setup.tx, setup.shardings, schedule=setup.schedule,
-                      num_micro_batches=mini_batch_rows // micro, metric_reduction="mean")
+                      num_micro_batches=mini_batch_rows // micro, metric_reduction="mean",
+                      loss_accumulates=True)
 
     def advantages(rewards, group_ids, valid, response_mask, num_groups):
         return advantages_from_spec(adv_spec, rewards=rewards, group_ids=group_ids,
