@@ -50,6 +50,8 @@ class Partial(Policy):
         if not r.alive or r.phase != "run" or r.held:   # held: back-pressure, no new prompts
             return
         room = self.system.max_concurrency - r.unfinished()
+        if room < sim.gs:           # the common case after every rollout event: full
+            return
         if share is not None:
             room = min(room, share)
         ts = sim.ts

@@ -63,8 +63,9 @@ class Policy:
         """Group g into the buffer (data.buffer_groups / buffer_when_full); a refused group is
         held by its rollout, which then takes no new prompts (back-pressure)."""
         sim = self.sim
-        gv = sim.ts.gen_version
-        rec = sim.buffer.record(g, min(gv[i] for i in sim.ts.group_members[g]), self.group_tag(g))
+        members = sim.ts.group_members[g]          # a range of consecutive ids
+        rec = sim.buffer.record(g, min(sim.ts.gen_version[members.start:members.stop]),
+                                self.group_tag(g))
         if sim.buffer.deliver(rec, r_idx):
             return True
         if r_idx >= 0:

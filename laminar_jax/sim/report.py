@@ -74,9 +74,17 @@ class CellResult:
 
 
 def consumed_arrays(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(trajectory ids, consuming learner versions, consume times) of every consumed trajectory."""
-    return (np.asarray(sim.consumed_ids, np.int64), np.asarray(sim.consumed_versions, np.int64),
-            np.asarray(sim.consumed_times, np.float64))
+    """(trajectory ids, consuming learner versions, consume times) of every consumed trajectory.
+
+    Cached on the sim while nothing more was consumed (a report asks ~6 times per cell);
+    callers must not modify the arrays."""
+    cached = getattr(sim, "_consumed_arrays", None)
+    if cached is not None and cached[0].size == len(sim.consumed_ids):
+        return cached
+    out = (np.asarray(sim.consumed_ids, np.int64), np.asarray(sim.consumed_versions, np.int64),
+           np.asarray(sim.consumed_times, np.float64))
+    sim._consumed_arrays = out
+    return out
 
 
 def staleness_of(sim, ids: np.ndarray, versions: np.ndarray) -> np.ndarray:

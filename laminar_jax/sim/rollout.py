@@ -20,6 +20,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+import numpy as np
+
 from laminar_jax.sim.models import DecodeModel
 
 __all__ = ["TrajStore", "Rollout"]
@@ -50,9 +52,55 @@ class TrajStore:
         self.preempts: list[int] = []
         self.first_rollout: list[int] = []
         self.group_members: list[range] = []
+        # total_tokens of each trajectory (fixed at creation), as a growing float64 array so
+        # that a batch's token counts are one numpy gather (`totals()[ids]`)
+        self._totals = np.empty(1 << 12, np.float64)
 
     def __len__(self):
         return len(self.prompt)
+
+    def _append_totals(self, first: int, values: np.ndarray) -> None:
+        end = first + values.size
+        if end > self._totals.size:
+            grown = np.empty(max(end, 2 * self._totals.size), np.float64)
+            grown[:first] = self._totals[:first]
+            self._totals = grown
+        self._totals[first:end] = values
+
+    def totals(self) -> np.ndarray:
+        """total_tokens(i) of every trajectory so far, indexed by id (a view: do not keep)."""
+        return self._totals[:len(self.prompt)]
+
+    def add_groups(self, prompts: np.ndarray, responses: np.ndarray, tools: list,
+                   group_size: int) -> None:
+        """Append len(responses) // group_size groups at once: per-trajectory int arrays
+        (group-major, equal prompts within a group) and tool tuples, as `add_group` would."""
+        m = int(responses.size)
+        count = m // group_size
+        g0, first = len(self.group_members), len(self.prompt)
+        resp = responses.tolist()
+        self.group.extend(np.repeat(np.arange(g0, g0 + count), group_size).tolist())
+        self.prompt.extend(prompts.tolist())
+        self.resp.extend(resp)
+        self.tools.extend(tools)
+        no_tools = tools.count(None) == m
+        self.seg_end.extend(resp if no_tools else
+                            [r if t is None else t[0][0] for r, t in zip(resp, tools)])
+        zeros, minus = [0] * m, [-1] * m
+        for lst in (self.seg, self.gen_done, self.obs_done, self.base, self.admit, self.epoch,
+                    self.versions, self.repacks, self.preempts):
+            lst.extend(zeros)
+        for lst in (self.where, self.gen_version, self.first_rollout):
+            lst.extend(minus)
+        self.start_t.extend([-1.0] * m)
+        self.tool_wait.extend([0.0] * m)
+        self.finish_t.extend([-1.0] * m)
+        self.group_members.extend(range(first + j * group_size, first + (j + 1) * group_size)
+                                  for j in range(count))
+        tot = (prompts + responses).astype(np.float64)
+        if not no_tools:
+            tot += [0 if t is None else len(t[0]) * t[2] for t in tools]
+        self._append_totals(first, tot)
 
     def add_group(self, prompts, responses, tools) -> int:
         """Append one group (sequences of equal prompt); returns the group id."""
@@ -74,6 +122,8 @@ class TrajStore:
         self.tool_wait.extend([0.0] * m)
         self.finish_t.extend([-1.0] * m)
         self.group_members.append(range(first, first + m))
+        self._append_totals(first, np.array([self.total_tokens(i) for i in range(first, first + m)],
+                                            np.float64))
         return g
 
     def restart(self, i: int) -> None:
@@ -147,9 +197,10 @@ class Rollout:
         """
         n = self.n
         if not n:
-            self.t_stat = max(self.t_stat, now)
+            if now > self.t_stat:
+                self.t_stat = now
             return
-        k0 = self.kv()
+        k0 = self.sum_base + n * self.S - self.sum_admit     # kv(), inlined
         t0 = self.t_ref
         s = 0
         if now > t0:
@@ -178,6 +229,20 @@ class Rollout:
                 self.kv_int += k0 * (now - a)
             self.busy_int += now - a
             self.t_stat = now
+
+    def on_event(self, now: float) -> list[int]:
+        """The event schedule() planned, at `now`: advance to it, remove and return the
+        sequences whose segment ended (advance + pop_due in one call: this runs once per
+        segment end, millions of times per paper table)."""
+        self.advance(now)
+        S = self.S
+        if S < self.next_step:          # float guard: the event time is the target step
+            self.gen_tokens += self.n * (self.next_step - S)
+            self.S = S = self.next_step
+            if self.next_time > self.t_ref:
+                self.t_ref = self.next_time
+        heap = self.heap
+        return self.pop_due() if heap and heap[0][0] <= S else []
 
     # ------------------------------------------------------------------ running set
     def _remove(self, i: int) -> None:
@@ -249,11 +314,17 @@ class Rollout:
         waiting = self.waiting
         if not waiting:
             return 0
+        n = self.n
+        if n >= self.max_num_seqs:
+            return 0
         ts = self.ts
         prompt, done, obs, seg_end = ts.prompt, ts.gen_done, ts.obs_done, ts.seg_end
+        k = self.sum_base + n * self.S - self.sum_admit
+        # the common case in the event loop: the first waiting request does not fit (full KV)
+        i = waiting[0]
+        if k + prompt[i] + done[i] + obs[i] + (n + 1) * self.reserve > self.cap:
+            return 0
         base, adm, ep, where, gv = ts.base, ts.admit, ts.epoch, ts.where, ts.gen_version
-        k = self.kv()
-        n = self.n
         cap, reserve, S, idx = self.cap, self.reserve, self.S, self.idx
         limit = self.max_num_seqs
         resident = self.resident
@@ -303,12 +374,15 @@ class Rollout:
             self.next_time = float("inf")
             return None
         heap, ep = self.heap, self.ts.epoch
-        while ep[heap[0][1]] != heap[0][2]:
+        top = heap[0]
+        while ep[top[1]] != top[2]:
             heapq.heappop(heap)
-        s_due = heap[0][0] - self.S
-        k0 = self.kv()
+            top = heap[0]
+        S = self.S
+        s_due = top[0] - S
+        k0 = self.sum_base + n * S - self.sum_admit     # kv(), inlined: the event loop's hot path
         s_kv = (self.cap - k0) // n
         s = min(s_due, max(0, s_kv))
-        self.next_step = self.S + s
-        self.next_time = self.t_ref + self.dm.steps_time(n, k0, s)
-        return self.next_time
+        self.next_step = S + s
+        self.next_time = t = self.t_ref + self.dm.steps_time(n, k0, s)
+        return t
