@@ -339,6 +339,45 @@ def collect(work: str, threshold: float) -> dict:
     return cells
 
 
+def cell_state(work: str, name: str) -> str:
+    """'done' (the run folder holds a finished run: a rerun skips it), 'incomplete' (a folder
+    without the summary event: a crash or a kill) or 'absent'."""
+    path = os.path.join(work, "runs", name)
+    if not os.path.isdir(path):
+        return "absent"
+    return "done" if finished(path) else "incomplete"
+
+
+def pending(plan, work: str) -> tuple[list, list]:
+    """(cells to run, cells kept): finished cells are kept; an incomplete cell's folder moves to
+    <work>/incomplete/<name>-<unix time> (out of the table, kept for a post-mortem) and the cell
+    runs again from scratch -- resuming it from its checkpoint would put the restart's gap into
+    its wall-clock measures."""
+    todo, kept = [], []
+    for cell in plan:
+        name = "{}-{}-s{}".format(*cell)
+        state = cell_state(work, name)
+        if state == "done":
+            kept.append(cell)
+            continue
+        if state == "incomplete":
+            aside = os.path.join(work, "incomplete", f"{name}-{int(time.time())}")
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.rename(os.path.join(work, "runs", name), aside)
+            print(f"{name}: unfinished folder moved to {aside}; it runs again", flush=True)
+        todo.append(cell)
+    return todo, kept
+
+
+def grid_status(cells: dict, arms, levels, seeds) -> dict:
+    """Which cells of the grid arms x levels x seeds have a finished run (cells from collect)."""
+    have = {(lv, a, int(pathlib.Path(x["run_dir"]).name.rpartition("-s")[2]))
+            for (lv, a), runs in cells.items() for x in runs}
+    grid = [(lv, a, s) for lv in levels for a in arms for s in seeds]
+    return {"cells": len(grid), "finished": sum(c in have for c in grid),
+            "missing": ["{}-{}-s{}".format(*c) for c in grid if c not in have]}
+
+
 def schedule(arms, levels, seeds) -> list[tuple[str, str, int]]:
     """Seed-major; arms rotate by one per seed and the level order alternates, so no arm always
     runs first or last (the shared machine's load drifts)."""
@@ -378,7 +417,10 @@ def main(argv=None) -> dict:
     levels = args.levels.split(",")
     timings: list[dict] = []
     skipped: list[str] = []
-    if not args.report_only:
+    plan, kept = ([], []) if args.report_only else pending(schedule(arms, levels, seeds), args.work)
+    if kept:
+        print(f"{len(kept)} cells already finished in {args.work}, kept", flush=True)
+    if plan:
         import ray
         from laminar_jax.runtime import cluster, driver
         from laminar_jax.config import load_config
@@ -389,12 +431,8 @@ def main(argv=None) -> dict:
         print(f"warm-up: {time.time() - t0:.0f} s -> {model_dir}", flush=True)
         cluster.start(warm_cfg)
         try:
-            plan = schedule(arms, levels, seeds)
             for k, (level, arm, seed) in enumerate(plan):
                 name = f"{level}-{arm}-s{seed}"
-                if os.path.isdir(os.path.join(args.work, "runs", name, "metrics")):
-                    print(f"[{k + 1}/{len(plan)}] {name}: already in {args.work}, kept", flush=True)
-                    continue
                 if args.deadline and time.time() > float(args.deadline):
                     skipped.append(name)
                     continue
@@ -410,6 +448,9 @@ def main(argv=None) -> dict:
     cells = collect(args.work, args.threshold)
     summary = summarise(cells)
     text = table(summary, args.threshold) + effect_text(cells)
+    grid = grid_status(cells, arms, levels, seeds)
+    text += (f"\n\ngrid {len(arms)} arms x {len(levels)} levels x {len(seeds)} seeds: {grid['finished']} of "
+             f"{grid['cells']} cells finished" + (f"; missing: {', '.join(grid['missing'])}" if grid["missing"] else ""))
     if skipped:
         text += f"\n\nnot run (past --deadline): {', '.join(skipped)}"
     print(text)
@@ -419,7 +460,7 @@ def main(argv=None) -> dict:
     with open(stem + ".json", "w") as f:
         json.dump({"command": command, "args": vars(args), "summary": summary, "timings": timings,
                    "large_minus_small": {m: level_effect(cells, m) for m in ("reward_final", "reward_mid_versions")},
-                   "not_run": skipped,
+                   "not_run": skipped, "grid": grid,
                    "runs": {f"{lv}/{arm}": runs for (lv, arm), runs in cells.items()}}, f, indent=1)
     with open(stem + ".txt", "w") as f:
         f.write(command + "\n" + text + "\n")
