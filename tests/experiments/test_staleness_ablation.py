@@ -157,3 +157,12 @@ def test_a_rerun_keeps_finished_cells_reruns_incomplete_ones_and_counts_the_grid
     grid = sa.grid_status(sa.collect(work, 0.5), ["vtrace", "m2po"], ["small", "large"], [0, 1])
     assert grid["cells"] == 8 and grid["finished"] == 1
     assert len(grid["missing"]) == 7 and "large-vtrace-s0" not in grid["missing"]
+    # a fresh machine: no run folders, only the cell JSONs a collect wrote
+    cells_dir = str(tmp_path / "cells")
+    first = sa.collect(work, 0.5, cells_dir)
+    fresh = str(tmp_path / "fresh")
+    assert sa.pending(plan, fresh, cells_dir)[1] == kept
+    again = sa.collect(fresh, 0.5, cells_dir)
+    assert again.keys() == first.keys() and all(json.dumps(again[k]) == json.dumps(first[k]) for k in first)  # NaN too
+    assert again[("large", "vtrace")][0]["time_to_threshold_s"] == 9.0   # 5 + 2 * 2 s
+    assert math.isnan(sa.collect(fresh, 0.6, cells_dir)[("large", "vtrace")][0]["time_to_threshold_s"])
