@@ -45,6 +45,12 @@ trajectory staleness and the staleness histogram (share of consumed trajectories
 open). Writes experiments/results/staleness_ablation.{json,txt,md,png} (--name changes the stem) and
 keeps the run folders under --work (pandas: `laminar_jax.analysis.load_run`).
 
+Resuming: every finished cell's measures go to experiments/results/staleness_cells/<cell>.json
+(committed), and a rerun skips a cell that has a JSON there or a finished folder under --work;
+a folder without its end-of-run summary (a crash, a kill) is moved to <work>/incomplete/ and
+the cell runs again from scratch. So the same command, run again on any machine, finishes the
+grid, and the table counts the grid's finished and missing cells.
+
     python experiments/staleness_ablation.py --pilot            # 2 arms x 1 seed x 2 levels, timed
     python experiments/staleness_ablation.py --arms all --seeds 3
     python experiments/staleness_ablation.py --report-only      # table + figure from --work's runs
@@ -325,8 +331,14 @@ def finished(path) -> bool:
     return events.is_file() and '"kind": "summary"' in events.read_text()
 
 
-def collect(work: str, threshold: float) -> dict:
+def collect(work: str, threshold: float, cells_dir: str | None = None) -> dict:
+    """cells[(level, arm)] = [measures per seed]: every finished run folder under <work>/runs,
+    and every cell JSON in cells_dir that no folder holds. With cells_dir, each folder's measures
+    are written there as <cell>.json (committed with the results), so a later session on a fresh
+    machine finishes the grid without the run folders; the time to threshold is recomputed from
+    the stored curve (it depends on --threshold)."""
     cells: dict = {}
+    seen = set()
     root = os.path.join(work, "runs")
     for path in find_runs(root) if os.path.isdir(root) else []:
         cell = parse_cell(path.name)
@@ -334,9 +346,62 @@ def collect(work: str, threshold: float) -> dict:
             continue
         if not finished(path):     # running, or crashed: not a cell of the table
             continue
-        run = measure_run(path, threshold)
+        run = {"cell": path.name, **measure_run(path, threshold)}
+        if cells_dir:
+            os.makedirs(cells_dir, exist_ok=True)
+            with open(os.path.join(cells_dir, path.name + ".json"), "w") as f:
+                json.dump(run, f)
+        seen.add(path.name)
+        cells.setdefault(cell[:2], []).append(run)
+    for path in sorted(pathlib.Path(cells_dir).glob("*.json")) if cells_dir and os.path.isdir(cells_dir) else []:
+        cell = parse_cell(path.stem)
+        if cell is None or path.stem in seen:
+            continue
+        run = json.loads(path.read_text())
+        run["time_to_threshold_s"] = time_to_threshold(run["elapsed"], run["reward"], threshold)
         cells.setdefault(cell[:2], []).append(run)
     return cells
+
+
+def cell_state(work: str, name: str, cells_dir: str | None = None) -> str:
+    """'done' (the run folder holds a finished run, or cells_dir its JSON: a rerun skips it),
+    'incomplete' (a folder without the summary event: a crash or a kill) or 'absent'."""
+    path = os.path.join(work, "runs", name)
+    if cells_dir and os.path.isfile(os.path.join(cells_dir, name + ".json")):
+        return "done"
+    if not os.path.isdir(path):
+        return "absent"
+    return "done" if finished(path) else "incomplete"
+
+
+def pending(plan, work: str, cells_dir: str | None = None) -> tuple[list, list]:
+    """(cells to run, cells kept): finished cells are kept; an incomplete cell's folder moves to
+    <work>/incomplete/<name>-<unix time> (out of the table, kept for a post-mortem) and the cell
+    runs again from scratch -- resuming it from its checkpoint would put the restart's gap into
+    its wall-clock measures."""
+    todo, kept = [], []
+    for cell in plan:
+        name = "{}-{}-s{}".format(*cell)
+        state = cell_state(work, name, cells_dir)
+        if state == "done":
+            kept.append(cell)
+            continue
+        if state == "incomplete":
+            aside = os.path.join(work, "incomplete", f"{name}-{int(time.time())}")
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.rename(os.path.join(work, "runs", name), aside)
+            print(f"{name}: unfinished folder moved to {aside}; it runs again", flush=True)
+        todo.append(cell)
+    return todo, kept
+
+
+def grid_status(cells: dict, arms, levels, seeds) -> dict:
+    """Which cells of the grid arms x levels x seeds have a finished run (cells from collect)."""
+    have = {(lv, a, int(x["cell"].rpartition("-s")[2]))
+            for (lv, a), runs in cells.items() for x in runs}
+    grid = [(lv, a, s) for lv in levels for a in arms for s in seeds]
+    return {"cells": len(grid), "finished": sum(c in have for c in grid),
+            "missing": ["{}-{}-s{}".format(*c) for c in grid if c not in have]}
 
 
 def schedule(arms, levels, seeds) -> list[tuple[str, str, int]]:
@@ -378,7 +443,11 @@ def main(argv=None) -> dict:
     levels = args.levels.split(",")
     timings: list[dict] = []
     skipped: list[str] = []
-    if not args.report_only:
+    cells_dir = os.path.join(args.out, "staleness_cells")
+    plan, kept = ([], []) if args.report_only else pending(schedule(arms, levels, seeds), args.work, cells_dir)
+    if kept:
+        print(f"{len(kept)} cells already finished in {args.work}, kept", flush=True)
+    if plan:
         import ray
         from laminar_jax.runtime import cluster, driver
         from laminar_jax.config import load_config
@@ -389,12 +458,8 @@ def main(argv=None) -> dict:
         print(f"warm-up: {time.time() - t0:.0f} s -> {model_dir}", flush=True)
         cluster.start(warm_cfg)
         try:
-            plan = schedule(arms, levels, seeds)
             for k, (level, arm, seed) in enumerate(plan):
                 name = f"{level}-{arm}-s{seed}"
-                if os.path.isdir(os.path.join(args.work, "runs", name, "metrics")):
-                    print(f"[{k + 1}/{len(plan)}] {name}: already in {args.work}, kept", flush=True)
-                    continue
                 if args.deadline and time.time() > float(args.deadline):
                     skipped.append(name)
                     continue
@@ -407,9 +472,12 @@ def main(argv=None) -> dict:
                       f"staleness {s['staleness_mean']:.2f}/{int(s['staleness_max'])} ({dt:.0f} s)", flush=True)
         finally:
             ray.shutdown()
-    cells = collect(args.work, args.threshold)
+    cells = collect(args.work, args.threshold, cells_dir)
     summary = summarise(cells)
     text = table(summary, args.threshold) + effect_text(cells)
+    grid = grid_status(cells, arms, levels, seeds)
+    text += (f"\n\ngrid {len(arms)} arms x {len(levels)} levels x {len(seeds)} seeds: {grid['finished']} of "
+             f"{grid['cells']} cells finished" + (f"; missing: {', '.join(grid['missing'])}" if grid["missing"] else ""))
     if skipped:
         text += f"\n\nnot run (past --deadline): {', '.join(skipped)}"
     print(text)
@@ -419,7 +487,7 @@ def main(argv=None) -> dict:
     with open(stem + ".json", "w") as f:
         json.dump({"command": command, "args": vars(args), "summary": summary, "timings": timings,
                    "large_minus_small": {m: level_effect(cells, m) for m in ("reward_final", "reward_mid_versions")},
-                   "not_run": skipped,
+                   "not_run": skipped, "grid": grid,
                    "runs": {f"{lv}/{arm}": runs for (lv, arm), runs in cells.items()}}, f, indent=1)
     with open(stem + ".txt", "w") as f:
         f.write(command + "\n" + text + "\n")

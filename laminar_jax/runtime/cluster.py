@@ -56,10 +56,21 @@ def start(cfg: Any) -> bool:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"   # the processes Ray starts
     ray_constants.ENABLE_RAY_CLUSTER = False                # this one (module docstring)
     reaper.start()   # a SIGKILL of this process leaves no Ray process behind (runtime.reaper)
-    ray.init(address="local", num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True,
-             _node_ip_address=LOOPBACK, _system_config=NO_PRESTART,
-             runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-                                       **compile_cache.env(cfg.run.compile_cache)}})
+    try:
+        ray.init(address="local", num_cpus=LOGICAL_CPUS, include_dashboard=False, log_to_driver=True,
+                 _node_ip_address=LOOPBACK, _system_config=NO_PRESTART,
+                 runtime_env={"env_vars": {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+                                           **compile_cache.env(cfg.run.compile_cache)}})
+    except Exception as e:
+        # Ray 2.60 waits a fixed 30 s for its raylet to register (ray/_private/node.py, a local
+        # constant: RAY_raylet_start_wait_time_s, which its message names, does not reach it);
+        # on an overloaded machine that is the failure, so say so and what to do
+        if "timed out during startup" not in str(e):
+            raise
+        load = os.getloadavg()[0]
+        raise ClusterError(f"the embedded Ray node did not start within Ray's fixed 30 s (load average {load:.0f} "
+                           f"on {os.cpu_count()} cores); retry when the machine is less loaded, or start one "
+                           f"first (`ray start --head`) and point run.ray_address / RAY_ADDRESS at it") from None
     return True
 
 

@@ -140,3 +140,29 @@ def test_schedule_runs_every_cell_once_and_parse_cell_inverts_names():
     for lv, a, s in plan:
         assert sa.parse_cell(f"{lv}-{a}-s{s}") == (lv, a, s)
     assert sa.parse_cell("warm") is None and sa.parse_cell("large-nope-s1") is None
+
+
+def test_a_rerun_keeps_finished_cells_reruns_incomplete_ones_and_counts_the_grid(tmp_path):
+    work = str(tmp_path)
+    write_run(tmp_path / "runs" / "large-vtrace-s0", [0.5] * 8, [3])
+    write_run(tmp_path / "runs" / "large-m2po-s0", [0.5] * 8, [3], done=False)   # killed mid-run
+    plan = sa.schedule(["vtrace", "m2po"], ["small", "large"], [0])
+    todo, kept = sa.pending(plan, work)
+    assert kept == [("large", "vtrace", 0)]
+    assert sorted(todo) == [("large", "m2po", 0), ("small", "m2po", 0), ("small", "vtrace", 0)]
+    # the unfinished folder is out of the runs (so the rerun starts fresh), kept aside
+    assert sa.cell_state(work, "large-m2po-s0") == "absent"
+    assert [p.name.rpartition("-")[0] for p in (tmp_path / "incomplete").iterdir()] == ["large-m2po-s0"]
+    assert sa.pending(plan, work) == (todo, kept)               # nothing moves twice
+    grid = sa.grid_status(sa.collect(work, 0.5), ["vtrace", "m2po"], ["small", "large"], [0, 1])
+    assert grid["cells"] == 8 and grid["finished"] == 1
+    assert len(grid["missing"]) == 7 and "large-vtrace-s0" not in grid["missing"]
+    # a fresh machine: no run folders, only the cell JSONs a collect wrote
+    cells_dir = str(tmp_path / "cells")
+    first = sa.collect(work, 0.5, cells_dir)
+    fresh = str(tmp_path / "fresh")
+    assert sa.pending(plan, fresh, cells_dir)[1] == kept
+    again = sa.collect(fresh, 0.5, cells_dir)
+    assert again.keys() == first.keys() and all(json.dumps(again[k]) == json.dumps(first[k]) for k in first)  # NaN too
+    assert again[("large", "vtrace")][0]["time_to_threshold_s"] == 9.0   # 5 + 2 * 2 s
+    assert math.isnan(sa.collect(fresh, 0.6, cells_dir)[("large", "vtrace")][0]["time_to_threshold_s"])
