@@ -23,7 +23,7 @@ def test_notebook_is_stored_without_outputs():
 def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(three_step_run, tmp_path):
     import nbclient
     import nbformat
-    # the session's short run (conftest.three_step_run, shared with test_multinode): checkpointed
+    # the package's short run (conftest.three_step_run, shared with test_multinode): checkpointed
     # by time only, a tiny interval, so every step is due (run.checkpoint_every_s is read)
     real = three_step_run[1]["run_dir"]
     from laminar_jax.analysis import load_run

@@ -4,7 +4,7 @@ from laminar_jax.analysis import load_run
 
 
 def test_relay_per_node_and_local_pulls(three_step_run):
-    """On the session's short run (conftest.three_step_run, shared with the notebook test)."""
+    """On the package's short run (conftest.three_step_run, shared with the notebook test)."""
     import ray
     nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert len(nodes) == 2
