@@ -102,9 +102,15 @@ def worker(processes: int, process_id: int, coordinator: str, out: str) -> None:
                        "mesh": dict(setup.mesh.shape), "processes": jax.process_count()}, f)
 
 
+# The workers' time is XLA compiles (3 steps of a tiny model): LLVM at -O0 halves them (measured
+# on the tiny decoder, experiments-free: /work notes); the equalities checked here are between
+# programs compiled alike, so the level does not enter them.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
 def _spawn(processes: int, process_id: int, devices: int, coordinator: str, out: str) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.getcwd())
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
     return subprocess.Popen([sys.executable, __file__, str(processes), str(process_id), coordinator, out],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

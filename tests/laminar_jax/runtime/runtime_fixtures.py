@@ -84,3 +84,29 @@ def cli_env(root: str) -> dict:
     env.update(PYTHONPATH=root, JAX_COMPILATION_CACHE_DIR="/tmp/laminar-test-jax-cache",
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     return env
+
+
+def listening(root) -> dict[tuple, str]:
+    """{(ip, port): process name} of every LISTEN socket in the psutil process `root`'s tree
+    (the loopback audit of a `laminar train` subprocess)."""
+    import psutil
+    try:
+        procs = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.pid in procs:
+            try:
+                name = procs[c.pid].name()
+            except psutil.NoSuchProcess:
+                name = "?"
+            out[(c.laddr.ip, c.laddr.port)] = name
+    return out
+
+
+def is_loopback(ip: str) -> bool:
+    import ipaddress
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback

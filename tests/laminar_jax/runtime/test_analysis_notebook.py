@@ -7,8 +7,6 @@ import pytest
 
 from laminar_jax import cli
 from laminar_jax.plot import PANELS
-from laminar_jax.runtime import driver
-from tests.laminar_jax.runtime.runtime_fixtures import base_config
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 NOTEBOOK = REPO / "experiments" / "analysis.ipynb"
@@ -22,12 +20,12 @@ def test_notebook_is_stored_without_outputs():
 
 
 @pytest.mark.slow
-def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(cluster, warm_model, tmp_path):
+def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(three_step_run, tmp_path):
     import nbclient
     import nbformat
-    # checkpoint by time only, a tiny interval: every step is due (run.checkpoint_every_s is read)
-    real = driver.run(base_config(str(tmp_path), "nb", warm_model, **{
-        "run.steps": 3, "run.checkpoint_every": 0, "run.checkpoint_every_s": 0.001}), quiet=True)["run_dir"]
+    # the package's short run (conftest.three_step_run, shared with test_multinode): checkpointed
+    # by time only, a tiny interval, so every step is due (run.checkpoint_every_s is read)
+    real = three_step_run[1]["run_dir"]
     from laminar_jax.analysis import load_run
     events = load_run(real).events
     assert sorted(events[events.kind == "checkpoint"].version) == [1, 2, 3]

@@ -3,9 +3,11 @@
 `liveness.verdict` is fed the real reports (an in-process DataActor's `liveness()`, a manager
 report): prompts exhausted, every prompt rejected, no producer past manager.liveness_timeout_s
 (and a compiling rollout or a larger timeout holds it back). `run.ray_address` that nothing
-answers is an error within 15 s through `laminar train`. The end-to-end stop (prompts exhausted
-in a real run) is in test_security.py, whose run doubles as the socket audit.
+answers is an error within 15 s through `laminar train`. The end-to-end stop: `laminar train`
+(in this process, on the package's Ray cluster) with too few prompts for run.steps stops with a
+named error seconds after the prompts ran out, not the learner's 900 s stall.
 """
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from laminar_jax import cli
 from laminar_jax.config import load_config
 from laminar_jax.data.records import PromptRow, Trajectory
 from laminar_jax.runtime import cluster, liveness
@@ -114,3 +117,25 @@ def test_event_limiter_writes_a_burst_per_kind_and_source_then_one_count():
     assert kinds.count("group_rejected") == 3 + 1 + 1
     (sup,) = [f for k, f in out if k == "events_suppressed"]
     assert sup == {"event": "group_rejected", "source": "r0", "count": 997, "window_s": 10.0}
+
+
+@pytest.mark.slow
+def test_a_run_stops_when_prompts_run_out_with_the_key_to_change(cluster, warm_model, tmp_path, capsys):
+    """data.max_epochs=1 over 8 prompts feeds two steps of run.steps=10: the run (relays and two
+    rollouts, as a default run) stops with one `error:` line naming the key, exit code 1, no
+    traceback; its event log carries no stream token. (Before the suite's budget was tight this
+    run was a `laminar train` subprocess of its own; the loopback audit it doubled as now runs
+    on the driver-kill test's two subprocesses, test_resume_driver_kill.py.)"""
+    args = [f"run.out_dir={tmp_path}", "run.name=audit", f"model.hf_path={warm_model}", "data.task=arithmetic",
+            "data.group_size=4", "data.num_prompts=8", "data.max_epochs=1", "data.task_max_n=9",
+            "learner.global_batch_groups=4", "learner.max_seq_len=32", "rollout.max_new_tokens=8",
+            "rollout.num_rollouts=2", "rollout.max_concurrency=16", "rollout.kv_budget_tokens=512",
+            "run.steps=10", "reward.fn=task", "manager.repack_interval_s=0.5"]
+    rc = cli.main(["train", "configs/default.yaml", *args])
+    stdout, stderr = capsys.readouterr()
+    assert rc == 1, stderr[-3000:]
+    assert "laminar train stopped: prompts exhausted: data.max_epochs=1 passes over 8 prompts" in stderr, stderr[-3000:]
+    assert "step    1/9" in stdout, stdout[-2000:]   # steps 0 and 1 ran (0-based, as the metrics)
+    assert "Traceback" not in stderr and "error: laminar train stopped: prompts exhausted" in stderr
+    events = [json.loads(line) for line in open(tmp_path / "audit" / "events.jsonl")]
+    assert not any("token" in k for e in events for k in e), "an event carries a token field"

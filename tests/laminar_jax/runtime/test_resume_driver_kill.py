@@ -11,6 +11,12 @@ SIGKILL once a checkpoint is committed -- no handler runs, nothing is closed. Th
   trajectory once, each group consumed once, and its ledger is exact;
 - the weight store the killed run left in /dev/shm (its learner died unannounced) is removed by
   the resumed run's start (`run_folder.clean_stale_stores`).
+
+Both runs double as the loopback audit (the suite's time is scarce: one pair of `laminar train`
+subprocesses for both): their environment has none of the test session's Ray settings, and
+every listening socket of every process of each run (driver, GCS, raylets, agents, workers,
+relay streams) is sampled with psutil every 0.25 s; each must be on 127.0.0.1 / ::1. The event
+log must not carry the relay group's stream token.
 """
 import glob
 import json
@@ -25,13 +31,14 @@ import pytest
 
 from laminar_jax.analysis import load_run
 from laminar_jax.runtime import run_folder
-from tests.laminar_jax.runtime.runtime_fixtures import cli_env
+from tests.laminar_jax.runtime.runtime_fixtures import cli_env, is_loopback, listening
 
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STEPS, KILL_AT = 5, 2          # kill once checkpoint v2 is committed, resume to 5 steps
 GONE_S = 30.0                  # every process of the killed run exits within this
+AUDIT_S = 0.25                 # the loopback audit's sampling period
 
 
 def _tree(proc: psutil.Process) -> list[psutil.Process]:
@@ -54,18 +61,37 @@ def _train(tmp_path, model_dir, store_dir, tag):
                             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT), out
 
 
+def _audit(root: psutil.Process, seen: dict[tuple, set[str]]) -> None:
+    """Adds every (ip, port) listening in `root`'s tree now, with its process's name: a port's
+    process is renamed (ray::IDLE -> ray::RolloutWorker) and its port may be reused late in the
+    run, so every name a port had is kept."""
+    for addr, name in listening(root).items():
+        seen.setdefault(addr, set()).add(name)
+
+
+def _check_loopback_only(seen: dict[tuple, set[str]], run: str) -> None:
+    names = set().union(*seen.values())
+    assert {"gcs_server", "raylet"} <= names, (run, names)
+    assert any("RelayWorker" in n for n in names), (run, names)     # the relay stream servers
+    assert any("RolloutWorker" in n for n in names), (run, names)
+    exposed = {k: v for k, v in seen.items() if not is_loopback(k[0])}
+    assert not exposed, (run, exposed)
+
+
 def test_driver_sigkill_leaves_nothing_running_and_the_rerun_resumes_exactly(warm_model, tmp_path):
     run_dir, store_dir = tmp_path / "killed", str(tmp_path / "store")
     proc, out = _train(tmp_path, warm_model, store_dir, "first")
     procs: dict[int, psutil.Process] = {}
+    seen: dict[tuple, set[str]] = {}
     try:
         root = psutil.Process(proc.pid)
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
             procs.update({p.pid: p for p in _tree(root)})
+            _audit(root, seen)
             if KILL_AT in run_folder.checkpoints(str(run_dir)):
                 break
-            time.sleep(0.2)
+            time.sleep(AUDIT_S)
         assert proc.poll() is None, open(out.name).read()[-3000:]
         assert KILL_AT in run_folder.checkpoints(str(run_dir)), "no checkpoint in time"
         procs.update({p.pid: p for p in _tree(root)})
@@ -104,12 +130,21 @@ def test_driver_sigkill_leaves_nothing_running_and_the_rerun_resumes_exactly(war
     left = glob.glob(os.path.join(store_dir, "*"))
     assert left, "the killed learner's weight store is expected in store_dir (it died unannounced)"
 
+    _check_loopback_only(seen, "killed run")
+
     proc, out = _train(tmp_path, warm_model, store_dir, "second")
+    seen = {}
     try:
-        assert proc.wait(timeout=300) == 0, open(out.name).read()[-3000:]
+        root = psutil.Process(proc.pid)
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline:
+            _audit(root, seen)
+            time.sleep(AUDIT_S)
+        assert proc.poll() == 0, open(out.name).read()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
+    _check_loopback_only(seen, "resumed run")
     assert not any(os.path.exists(p) for p in left), "the dead run's weight store was not cleaned"
     run = load_run(str(run_dir))
     assert list(run.metrics.step) == list(range(STEPS)), list(run.metrics.step)
@@ -120,7 +155,13 @@ def test_driver_sigkill_leaves_nothing_running_and_the_rerun_resumes_exactly(war
     assert traj.trajectory_id.is_unique, "a trajectory was logged twice across the kill"
     assert traj.groupby("group_id").size().eq(4).all(), "a group was consumed twice"
     assert (traj.step == traj.learner_version).all()
-    summary = [json.loads(line) for line in open(run_dir / "events.jsonl") if '"run_summary"' in line]
+    # no event field is a secret (the relay group's stream token; counts such as tokens_per_s are
+    # not): both runs' events
+    events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
+    secret = {(e.get("kind"), k) for e in events for k in e
+              if k == "token" or k.endswith("_token") or k.startswith("token_") or "auth" in k}
+    assert not secret, f"an event carries a token field: {sorted(secret)}"
+    summary = [e for e in events if e.get("kind") == "run_summary"]
     if summary and "accounting" in summary[-1]:
         acc = summary[-1]["accounting"]
         assert acc["unaccounted"] == 0 and acc["duplicates"] == 0

@@ -32,7 +32,7 @@ from laminar_jax.weights import flat, publish, shared_buffer
 from laminar_jax.weights.events import EventLog
 from laminar_jax.weights.relay import pull
 from laminar_jax.weights.relay_group import RelayGroup, local_relay
-from tests.laminar_jax.weights.weights_fixtures import start_cluster, wait_for
+from tests.laminar_jax.weights.weights_fixtures import wait_for
 from rollout.engine import Request, SamplingParams, run_to_completion
 from rollout.jax_engine import JaxEngine
 
@@ -81,8 +81,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    c = start_cluster(NUM_NODES, object_store_mb=200)
+def stack(relay_cluster, tmp_path_factory):
     st = None
     try:
         st = Stack(tmp_path_factory.mktemp("weights") / "store")
@@ -91,8 +90,6 @@ def stack(tmp_path_factory):
         if st is not None:
             st.group.shutdown()
             st.pub.close()
-        ray.shutdown()
-        c.shutdown()
 
 
 def _await_version(group, version, nodes=None):

@@ -27,7 +27,7 @@ from laminar_jax.weights import flat, publish, shared_buffer, stream
 from laminar_jax.weights.events import EventLog
 from laminar_jax.weights.relay import pull, read
 from laminar_jax.weights.relay_group import RelayGroup
-from tests.laminar_jax.weights.weights_fixtures import start_cluster, wait_for
+from tests.laminar_jax.weights.weights_fixtures import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 
@@ -38,8 +38,7 @@ ONE_DEVICE = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=
 
 
 @pytest.fixture(scope="module")
-def groups(tmp_path_factory):
-    c = start_cluster(NUM_NODES, object_store_mb=150)
+def groups(relay_cluster, tmp_path_factory):
     made = []
     try:
         head = ray.get_runtime_context().get_node_id()
@@ -64,8 +63,6 @@ def groups(tmp_path_factory):
     finally:
         for m in reversed(made):
             m.close() if isinstance(m, publish.Publisher) else m.shutdown()
-        ray.shutdown()
-        c.shutdown()
 
 
 def _params(seed):
