@@ -22,7 +22,7 @@ MAX_CONNECTIONS, IDLE_S, CHECK_S, DURATION_S, TAIL_S = 4, 3.0, 0.25, 28.0, 8.0
 # kill. The target is 2x. What is left of a failover is the new master's restore of that
 # one version, and one orbax restore on this shared machine varies 0.02-0.5 s (median 0.1 s), so
 # a single version against a median needs a margin: after the failover fixes, from the kill,
-# relays / rollouts 0.6x/0.7x, 0.6x/0.6x, 0.7x/0.7x, 0.6x/0.6x and 2.2x/2.4x (short runs at load
+# relays / rollouts 0.6x/0.7x, 0.6x/0.6x, 0.7x/0.7x and 2.2x/2.4x (four short runs at load
 # 25-50; in the last, the new master's restore took 0.44 s, 4x a typical one), 1.2x/1.0x (the
 # full 10-minute run), 1.6x/1.9x (a restore of 2x the median, load 26). The relay -> rollout
 # part is 10-80 ms in all of them. Before: 2.0x (this session's first run), 2.1x-2.6x, and 13x
