@@ -18,11 +18,16 @@ from experiments import chaos
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")]
 
 MAX_CONNECTIONS, IDLE_S, CHECK_S, DURATION_S, TAIL_S = 4, 3.0, 0.25, 28.0, 8.0
-# the first version after the master's death against a normal one (median). The target
-# is 2x; one version against a median on a shared 2-core machine needs room: relays 1.3x, 1.4x,
-# 1.4x, 3.9x and rollouts 1.3x, 1.3x, 2.6x, 4.4x in four runs (the last: the new master's first
-# restore met a checkpoint save at load 60). A cold promoted master (the state before) measured 25x-29x.
-MASTER_RATIO = 5.0
+# the first version after the master's death against a normal one (median), counted from the
+# kill. The target is 2x. What is left of a failover is the new master's restore of that
+# one version, and one orbax restore on this shared machine varies 0.02-0.5 s (median 0.1 s), so
+# a single version against a median needs a margin: after the failover fixes, from the kill,
+# relays / rollouts 0.6x/0.7x, 0.6x/0.6x, 0.7x/0.7x and 2.2x/2.4x (four short runs at load
+# 25-50; in the last, the new master's restore took 0.44 s, 4x a typical one), 1.2x/1.0x (the
+# full 10-minute run), 1.6x/1.9x (a restore of 2x the median, load 26). The relay -> rollout
+# part is 10-80 ms in all of them. Before: 2.0x (this session's first run), 2.1x-2.6x, and 13x
+# with a rollout waiting 2 s to go home (fixed: weights.source.retry_plan).
+MASTER_RATIO = 3.0
 
 
 def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, warm_model, tmp_path):
