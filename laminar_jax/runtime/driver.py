@@ -252,7 +252,9 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
         k = max(1, len(rows) // 4)
         summary["exact_rate_first"] = float(sum(r["exact_rate"] for r in rows[:k]) / k)
         summary["exact_rate_last"] = float(sum(r["exact_rate"] for r in rows[-k:]) / k)
-    writer.log_event("summary", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
+    # the events table stays flat: the ledger's counts as accounting_<key> columns
+    writer.log_event("summary", **{k: v for k, v in summary.items() if not isinstance(v, dict)},
+                     **{f"accounting_{k}": v for k, v in (accounting or {}).items() if isinstance(v, (int, float))})
     say(progress.summary_text(summary))
     if rows:
         say(f"exact answers: {summary['exact_rate_first']:.0%} -> {summary['exact_rate_last']:.0%} of trajectories")
