@@ -19,11 +19,14 @@ Prints a table and writes experiments/results/memory_plan.json. XLA:CPU's buffer
 proxy for an accelerator's (same program, same shapes; fusion and bf16 handling differ: XLA:CPU
 runs bf16 matmuls in fp32, so its [tokens, mlp] temporaries are fp32 -- an overestimate).
 
-What dominates at 32B (buffer assignment, `--dump`; fsdp 8, remat block, 118 GiB per device):
-params + Adam moments (fp32, 46 GiB of arguments), the fp32 gradient accumulator and one
-micro-batch's fp32 gradients (2 x 15 GiB), the saved block inputs (bf16 [64, 18432, 5120],
-11 GiB), an fp32 copy of those (22.5 GiB) and a layer's [18432, 27648] MLP temporaries
-(~1.9 GiB each). The fp32 copy is XLA:CPU's: it cannot dynamic-slice bf16, so it converts the
+What dominates at 32B (buffer assignment, `--dump`; fsdp 8, remat block): params + Adam moments
+(fp32, 46 GiB of arguments), the fp32 gradient accumulator (15.3 GiB), the saved block inputs
+(bf16 [64, 18432, 5120], 11 GiB), an fp32 copy of those (22.5 GiB, XLA:CPU only, below) and a
+layer's [18432, 27648] MLP temporaries (~1.9 GiB each). The gradient used to be there twice:
+the accumulator (the micro-batch loop's carry) and the micro-batch's stacked [L, ...] fp32
+gradients (the backward layer loop's output) being added to it. The train step now accumulates
+inside the backward layer loop (`models.grad_accumulation.scan_layers_into`, used by
+`runtime.rl_step` through `learner.train_step`'s `loss_accumulates`), so the second copy is gone. The fp32 copy is XLA:CPU's: it cannot dynamic-slice bf16, so it converts the
 whole saved stack to fp32 and while-loop-invariant code motion hoists that convert out of the
 backward layer loop; an accelerator slices bf16 natively. `--no-hoist` disables that one XLA
 pass (`--xla_disable_hlo_passes=while-loop-invariant-code-motion`) to drop the CPU-only copy; the
