@@ -202,10 +202,16 @@ def summarise(cells: dict) -> dict:
         hist = np.mean([x["staleness_hist"] for x in runs], axis=0)
         ref = cells.get((level, "none"), [])
         vs_none = diff_interval([x["reward_final"] for x in runs], [x["reward_final"] for x in ref])
+        # the same seed shares the prompts and the first policy's samples with the none run, and
+        # the seeds' starting rewards differ by more than the arms do: paired by seed, d_i = arm - none
+        by_seed = {x["cell"].rpartition("-s")[2]: x["reward_final"] for x in ref}
+        paired = t_interval([x["reward_final"] - by_seed[x["cell"].rpartition("-s")[2]] for x in runs
+                             if x["cell"].rpartition("-s")[2] in by_seed])
         mid = t_interval([x["reward_mid_versions"] for x in runs])
         mid_vs_none = diff_interval([x["reward_mid_versions"] for x in runs], [x["reward_mid_versions"] for x in ref])
         out.setdefault(level, {})[arm] = {
             "seeds": len(runs), "reward_final": final, "reward_final_minus_none": vs_none,
+            "reward_final_minus_none_paired": paired,
             "reward_mid_versions": mid, "reward_mid_versions_minus_none": mid_vs_none,
             "reward_gain_same_len": gain,
             "reward_first": float(np.mean([x["reward_first"] for x in runs])),
@@ -265,9 +271,9 @@ def markdown(summary: dict, threshold: float) -> str:
         if math.isnan(v[0]):
             return "-"
         return f"{v[0]:{sign}.3f} [{v[1]:{sign}.3f}, {v[2]:{sign}.3f}]" if not math.isnan(v[1]) else f"{v[0]:{sign}.3f}"
-    lines = [f"| level | arm | seeds | final reward [95% CI] | minus none | mid-version reward | minus none "
-             f"| t to {threshold:g} (s, seeds) | staleness mean / max | staleness % (0, 1, 2, ...) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| level | arm | seeds | final reward [95% CI] | minus none | minus none, paired by seed | "
+             f"mid-version reward | minus none | t to {threshold:g} (s, seeds) | staleness mean / max | staleness % (0, 1, 2, ...) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for level, arms in summary.items():
         for arm, s in arms.items():
             hist = list(s["staleness_hist"])
@@ -276,7 +282,8 @@ def markdown(summary: dict, threshold: float) -> str:
             ttt = f"{s['time_to_threshold_s']:.0f} ({s['reached_threshold']}/{s['seeds']})" if s["reached_threshold"] \
                 else f"- (0/{s['seeds']})"
             lines.append(f"| {level} | {arm} | {s['seeds']} | {ci(s['reward_final'])} | "
-                         f"{'' if arm == 'none' else ci(s['reward_final_minus_none'], '+')} | {ci(s['reward_mid_versions'])} | "
+                         f"{'' if arm == 'none' else ci(s['reward_final_minus_none'], '+')} | "
+                         f"{'' if arm == 'none' else ci(s['reward_final_minus_none_paired'], '+')} | {ci(s['reward_mid_versions'])} | "
                          f"{'' if arm == 'none' else ci(s['reward_mid_versions_minus_none'], '+')} | {ttt} | "
                          f"{s['staleness_mean']:.2f} / {s['staleness_max']} | {' '.join(f'{100 * h:.0f}' for h in hist)} |")
     return "\n".join(lines)

@@ -166,3 +166,16 @@ def test_a_rerun_keeps_finished_cells_reruns_incomplete_ones_and_counts_the_grid
     assert again.keys() == first.keys() and all(json.dumps(again[k]) == json.dumps(first[k]) for k in first)  # NaN too
     assert again[("large", "vtrace")][0]["time_to_threshold_s"] == 9.0   # 5 + 2 * 2 s
     assert math.isnan(sa.collect(fresh, 0.6, cells_dir)[("large", "vtrace")][0]["time_to_threshold_s"])
+
+
+def test_minus_none_paired_by_seed_is_the_t_interval_of_the_same_seed_differences():
+    def run(cell, final):
+        return {"cell": cell, "reward_final": final, "reward_mid_versions": final, "reward_gain_same_len": 0.0,
+                "reward_first": 0.0, "time_to_threshold_s": math.nan, "staleness_hist": [1.0],
+                "staleness_mean": 1.0, "staleness_max": 1, "wall_s": 1.0}
+    cells = {("large", "none"): [run(f"large-none-s{i}", f) for i, f in enumerate([0.5, 0.6, 0.8])],
+             ("large", "vtrace"): [run("large-vtrace-s2", 0.9), run("large-vtrace-s0", 0.6)]}
+    row = sa.summarise(cells)["large"]["vtrace"]
+    # d = 0.6 - 0.5, 0.9 - 0.8 (seeds 0 and 2; seed 1 has no vtrace run): mean 0.1, s = 0
+    assert row["reward_final_minus_none_paired"] == pytest.approx((0.1, 0.1, 0.1))
+    assert row["reward_final_minus_none"][0] == pytest.approx(0.75 - 19 / 30)    # unpaired: all seeds
