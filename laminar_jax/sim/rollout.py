@@ -222,8 +222,10 @@ class Rollout:
         if now > a:
             if s > 0:
                 k1 = k0 + n * s
-                t1 = min(self.t_ref, now)
-                b = min(max(a, t0), t1)
+                t1 = self.t_ref if self.t_ref < now else now       # min(t_ref, now)
+                b = a if a > t0 else t0                            # min(max(a, t0), t1)
+                if t1 < b:
+                    b = t1
                 self.kv_int += k0 * (b - a) + 0.5 * (k0 + k1) * (t1 - b) + k1 * (now - t1)
             else:
                 self.kv_int += k0 * (now - a)
@@ -382,7 +384,9 @@ class Rollout:
         s_due = top[0] - S
         k0 = self.sum_base + n * S - self.sum_admit     # kv(), inlined: the event loop's hot path
         s_kv = (self.cap - k0) // n
-        s = min(s_due, max(0, s_kv))
+        if s_kv < 0:
+            s_kv = 0
+        s = s_due if s_due < s_kv else s_kv         # min(s_due, max(0, s_kv))
         self.next_step = S + s
         self.next_time = t = self.t_ref + self.dm.steps_time(n, k0, s)
         return t

@@ -8,7 +8,7 @@ Two tiers:
   largest scale, and the scaling trend. AReaL at the largest 7B scale needs the paper's full
   warm-up (its batches reach their steady token count only after several updates), so the
   fast tier leaves it to the full one.
-- full (`study`: `pytest --studies`, not in CI, ~100 s): every cell of both tables with the paper's protocol (5 measured updates after
+- full (`study`: `pytest --studies`, not in CI, ~75 s at load 5): every cell of both tables with the paper's protocol (5 measured updates after
   10 warm-up ones), each within 25% of the paper, steady, and with staleness within its
   mode's bound (`modes.issue_bound`: 4 for AReaL and Laminar in the paper configs): the docs
   table, as a test.
@@ -86,7 +86,7 @@ def test_scaling_trend(calibrated):
             < 0.5 * gains[which]["laminar"]
 
 
-@pytest.mark.study   # ~100 s for both tables: `pytest --studies`; the fast tier above runs in CI
+@pytest.mark.study   # ~75 s for both tables (load 5): `pytest --studies`; the fast tier above runs in CI
 @pytest.mark.parametrize("name", sorted(SETUPS))
 def test_every_cell_within_tolerance_with_the_papers_protocol(name):
     cfg = load_sim_config(ROOT / "configs" / "sim" / f"{name}.yaml")
