@@ -93,9 +93,24 @@ def stack(relay_cluster, tmp_path_factory):
 
 
 def _await_version(group, version, nodes=None):
-    for node in nodes or group.order:
-        got = pull(group.relay_for(node), newer_than=version - 1, timeout_s=90)
+    """Every relay of `nodes` (default: every live relay) serves `version`. A relay found dead
+    meanwhile (the monitor has not taken it out of the group yet) is asked again once it has:
+    gone from the group, it is no longer a live relay; replaced, its successor must serve it."""
+    deadline = time.monotonic() + 90
+    pending = list(nodes or group.order)
+    while pending:
+        node = pending[0]
+        if nodes is None and node not in group.order:
+            pending.pop(0)
+            continue
+        try:
+            got = pull(group.relay_for(node), newer_than=version - 1, timeout_s=max(1.0, deadline - time.monotonic()))
+        except (ray.exceptions.ActorDiedError, KeyError):
+            assert time.monotonic() < deadline, f"relay {node} never got version {version}"
+            time.sleep(0.02)
+            continue
         assert got is not None and got[0] >= version, f"relay {node} never got version {version}"
+        pending.pop(0)
 
 
 def _expected(params):
