@@ -86,6 +86,16 @@ class TrajStore:
         no_tools = tools.count(None) == m
         self.seg_end.extend(resp if no_tools else
                             [r if t is None else t[0][0] for r, t in zip(resp, tools)])
+        self._extend_fresh(m)
+        self.group_members.extend(range(first + j * group_size, first + (j + 1) * group_size)
+                                  for j in range(count))
+        tot = (prompts + responses).astype(np.float64)
+        if not no_tools:
+            tot += [0 if t is None else len(t[0]) * t[2] for t in tools]
+        self._append_totals(first, tot)
+
+    def _extend_fresh(self, m: int) -> None:
+        """The per-sequence progress columns of `m` new, not yet started sequences."""
         zeros, minus = [0] * m, [-1] * m
         for lst in (self.seg, self.gen_done, self.obs_done, self.base, self.admit, self.epoch,
                     self.versions, self.repacks, self.preempts):
@@ -95,12 +105,6 @@ class TrajStore:
         self.start_t.extend([-1.0] * m)
         self.tool_wait.extend([0.0] * m)
         self.finish_t.extend([-1.0] * m)
-        self.group_members.extend(range(first + j * group_size, first + (j + 1) * group_size)
-                                  for j in range(count))
-        tot = (prompts + responses).astype(np.float64)
-        if not no_tools:
-            tot += [0 if t is None else len(t[0]) * t[2] for t in tools]
-        self._append_totals(first, tot)
 
     def add_group(self, prompts, responses, tools) -> int:
         """Append one group (sequences of equal prompt); returns the group id."""
@@ -112,15 +116,7 @@ class TrajStore:
         self.resp.extend(responses)
         self.tools.extend(tools)
         self.seg_end.extend([r if t is None else t[0][0] for r, t in zip(responses, tools)])
-        zeros, minus = [0] * m, [-1] * m
-        for lst in (self.seg, self.gen_done, self.obs_done, self.base, self.admit, self.epoch,
-                    self.versions, self.repacks, self.preempts):
-            lst.extend(zeros)
-        for lst in (self.where, self.gen_version, self.first_rollout):
-            lst.extend(minus)
-        self.start_t.extend([-1.0] * m)
-        self.tool_wait.extend([0.0] * m)
-        self.finish_t.extend([-1.0] * m)
+        self._extend_fresh(m)
         self.group_members.append(range(first, first + m))
         self._append_totals(first, np.array([self.total_tokens(i) for i in range(first, first + m)],
                                             np.float64))
