@@ -96,13 +96,33 @@ def _examples(cfg: Any, dcfg: DecoderConfig):
     return name, examples, tokenizer
 
 
+def sft_loss(sharded: Any, *, chunk_size: int):
+    """``loss_fn(params, batch, grad_acc=None) -> (loss, {})``: the masked next-token NLL over
+    the batch's loss tokens, ``-sum(log p) / num_loss_tokens`` (the explicit global normaliser, so
+    micro-batches sum to the whole batch's mean). With ``grad_acc`` the gradient comes back as
+    ``grad_acc + gradient``, summed inside the backward layer loop
+    (``learner.train_step``'s ``loss_accumulates``: one fp32 gradient copy, not two)."""
+    import jax.numpy as jnp
+
+    from laminar_jax.learner import logprobs as lp
+    from laminar_jax.models.grad_accumulation import decoder_params_into
+    train_shardings = sharded.train_shardings()
+
+    def loss_fn(params, batch, grad_acc=None):
+        params, layer_acc = decoder_params_into(params, grad_acc)
+        logp, _ = lp.sequence_logprobs(sharded.bind(params), batch["tokens"], batch["positions"],
+                                       batch["segment_ids"], response_mask=batch["loss_mask"],
+                                       chunk_size=chunk_size, shardings=train_shardings,
+                                       layer_grad_acc=layer_acc)
+        return -jnp.sum(logp) / batch["num_loss_tokens"], {}
+    return loss_fn
+
+
 def run(cfg: Any) -> dict[str, Any]:
     """Runs ``cfg.sft.steps`` sharded SFT steps; returns a summary dict (losses, throughput)."""
     import jax
-    import jax.numpy as jnp
 
     from laminar_jax import sharding as shd
-    from laminar_jax.learner import logprobs as lp
     from laminar_jax.learner.setup import build
     from laminar_jax.learner.train_step import TrainStep
 
@@ -118,16 +138,9 @@ def run(cfg: Any) -> dict[str, Any]:
     setup = build(cfg, total_steps=sft.steps, lr=sft.lr)
     dcfg, mesh, sharded, state = setup.model_cfg, setup.mesh, setup.sharded, setup.state
 
-    train_shardings = sharded.train_shardings()
-
-    def loss_fn(params, batch):
-        logp, _ = lp.sequence_logprobs(sharded.bind(params), batch["tokens"], batch["positions"],
-                                       batch["segment_ids"], response_mask=batch["loss_mask"],
-                                       chunk_size=chunk, shardings=train_shardings)
-        return -jnp.sum(logp) / batch["num_loss_tokens"], {}
-
-    step = TrainStep(loss_fn, setup.tx, setup.shardings, schedule=setup.schedule,
-                     num_micro_batches=sft.batch_size // micro)
+    step = TrainStep(sft_loss(sharded, chunk_size=chunk), setup.tx, setup.shardings,
+                     schedule=setup.schedule, num_micro_batches=sft.batch_size // micro,
+                     loss_accumulates=True)
     task, examples, tokenizer = _examples(cfg, dcfg)
     fits = [e for e in examples if len(e.prompt_tokens) + len(e.response_tokens) <= sft.seq_len]
     if not fits:

@@ -106,3 +106,28 @@ def test_the_rl_train_steps_loss_accumulates_in_place_and_equals_the_plain_accum
     np.testing.assert_allclose(outs[True][0], outs[False][0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(outs[True][2]), jax.tree.leaves(outs[False][2])):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_the_sft_loss_accumulates_in_place_and_equals_the_whole_batch_pass():
+    """`laminar sft`'s loss (`learner.sft.sft_loss`, what `sft.run` trains with) on an fsdp-2
+    mesh, remat block, 2 micro-batches of packed demonstrations, accumulated in the backward
+    pass: the loss and gradients equal the whole batch's single pass (the normaliser is
+    global), and `sft.run`'s step is built that way."""
+    import inspect
+
+    from laminar_jax.data.tasks import get_task
+    from laminar_jax.learner import sft
+
+    assert "loss_accumulates=True" in inspect.getsource(sft.run)
+    cfg = load_config(None, ["mesh.data=1", "mesh.fsdp=2", "learner.remat=block"])
+    setup = build_setup(cfg, total_steps=1)
+    loss_fn = sft.sft_loss(setup.sharded, chunk_size=cfg.learner.logprob_chunk)
+    examples = get_task("arithmetic").sft_examples(40, seed=0)
+    batch, _ = sft.pack_examples(examples, np.arange(len(examples)), 0, batch_size=4, seq_len=32)
+    batch = shd.shard_batch(batch, setup.mesh)
+    outs = [jax.device_get(jax.jit(lambda p, b, m=m: accumulate_gradients(
+        loss_fn, p, b, num_micro_batches=m, param_shardings=setup.shardings.params, mesh=setup.mesh,
+        loss_accumulates=True))(setup.state.params, batch)) for m in (2, 1)]
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(outs[0][2]), jax.tree.leaves(outs[1][2])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
