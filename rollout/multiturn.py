@@ -38,7 +38,7 @@ import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -48,37 +48,7 @@ from laminar_jax.env import chat
 from laminar_jax.env.protocol import (COUNT_KEYS, EnvStateError, as_step_result, can_snapshot, restore_env,
                                       snapshot_state)
 from rollout.engine import Request, SamplingParams
-
-EPISODE_FORMAT = 1
-
-
-@dataclass
-class Episode:
-    """One trajectory across its turns."""
-
-    rid: str
-    env: Any
-    messages: list
-    prompt_tokens: np.ndarray
-    version: int
-    started: float
-    tokens: list = field(default_factory=list)
-    logp: list = field(default_factory=list)
-    raw_logp: list = field(default_factory=list)
-    versions: list = field(default_factory=list)
-    mask: list = field(default_factory=list)
-    turns: int = 0
-    cached_tokens: int = 0       # context tokens of later turns the engine did not prefill again
-    context_tokens: int = 0      # context tokens of later turns (prompt + response so far)
-    reward: float = 0.0
-    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
-    env_s: float = 0.0
-    first_token: float | None = None
-    pending: Any = None            # the future of the env.step in flight
-    pending_since: float = 0.0
-    last_text: str = ""
-    last_finish: str = "stop"
-    env_state: dict | None = None  # the env's snapshot at the last turn boundary (None: cannot move)
+from rollout.episode import Episode, check_state, episode_state, restored
 
 
 @dataclass(frozen=True)
@@ -90,17 +60,6 @@ class Finished:
     stats: dict
     timings: tuple[float, float]
     error: str | None = None
-
-
-def done_episode(f: Finished) -> dict:
-    """The `episode` of a finished trajectory waiting for the rest of its group: what the worker
-    needs to deliver it from another rollout (the environment's reward, turn stats, timings)."""
-    return {"format": EPISODE_FORMAT, "phase": "done", "reward": f.reward, "stats": dict(f.stats),
-            "timings": list(f.timings)}
-
-
-def is_done_episode(episode) -> bool:
-    return isinstance(episode, dict) and episode.get("format") == EPISODE_FORMAT and episode.get("phase") == "done"
 
 
 class MultiTurn:
@@ -343,42 +302,22 @@ class MultiTurn:
                                          prompt_tokens=ep.prompt_tokens, response_tokens=arrays[0],
                                          behaviour_logp=arrays[1], sample_logp=arrays[2], token_versions=arrays[3],
                                          loss_mask=mask,
-                                         episode=self._episode(ep, "decode" if p is not None else "step")
+                                         episode=episode_state(ep, "decode" if p is not None else "step")
                                          if movable else None))
         return out
-
-    def _episode(self, ep: Episode, phase: str) -> dict:
-        return {"format": EPISODE_FORMAT, "phase": phase, "version": ep.version, "turn_tokens": len(ep.tokens),
-                "turns": ep.turns, "counts": dict(ep.counts), "reward": ep.reward, "messages": list(ep.messages),
-                "env": ep.env_state, "env_s": ep.env_s, "cached_tokens": ep.cached_tokens,
-                "context_tokens": ep.context_tokens, "first_token": ep.first_token, "last_text": ep.last_text,
-                "last_finish": ep.last_finish}
 
     def resume(self, row, partial: PartialTrajectory, version: int) -> Request | None:
         """Continue a trajectory another rollout started (a `snapshot` record) on this one: its
         next request, or None when its env.step runs first. Raises EnvStateError (naming the
         env) when the record carries no usable state or the environment cannot restore it."""
-        name, rid = str(self.cfg.name), f"{partial.group_id}/{partial.sample_index}"
-        d = partial.episode
-        if not isinstance(d, dict) or d.get("format") != EPISODE_FORMAT or d.get("phase") not in ("decode", "step"):
-            raise EnvStateError(f"env {name!r}: trajectory {rid} carries no episode state to continue "
-                                f"(episode={d if d is None else dict(d).get('format')!r})")
-        n = int(d["turn_tokens"])
-        if not 0 <= n <= partial.num_tokens:
-            raise EnvStateError(f"env {name!r}: trajectory {rid}: turn_tokens={n} for {partial.num_tokens} tokens")
+        name = str(self.cfg.name)
+        check_state(partial, name)
         env = self.make_env()
-        restore_env(env, name, row, d["env"])
-        mask = np.asarray(partial.loss_mask, np.float32)
-        ep = Episode(rid, env, [dict(m) for m in d["messages"]], partial.prompt_tokens, int(version), self.clock(),
-                     tokens=partial.response_tokens[:n].tolist(), logp=partial.sample_logp[:n].tolist(),
-                     raw_logp=partial.behaviour_logp[:n].tolist(), versions=partial.token_versions[:n].tolist(),
-                     mask=mask[:n].tolist(), turns=int(d["turns"]), cached_tokens=int(d["cached_tokens"]),
-                     context_tokens=int(d["context_tokens"]), reward=float(d["reward"]),
-                     counts={k: int(d["counts"].get(k, 0)) for k in COUNT_KEYS}, env_s=float(d["env_s"]),
-                     first_token=d["first_token"], last_text=str(d["last_text"]), last_finish=str(d["last_finish"]),
-                     env_state=d["env"])
+        restore_env(env, name, row, partial.episode["env"])
+        ep = restored(partial, env, int(version), self.clock())
+        rid = ep.rid
         self.episodes[rid] = ep
-        if d["phase"] == "step":   # its step's result stayed behind: run it again on the same state
+        if partial.episode["phase"] == "step":   # its step's result stayed behind: run it again on the same state
             ep.pending_since = self.clock()
             ep.pending = self.pool.submit(env.step, ep.last_text)
             return None
@@ -415,4 +354,4 @@ def _failed(error: str) -> _Failed:
     return _Failed(error)
 
 
-__all__ = ["EPISODE_FORMAT", "Episode", "Finished", "MultiTurn", "done_episode", "is_done_episode", "request_id"]
+__all__ = ["Episode", "Finished", "MultiTurn", "request_id"]

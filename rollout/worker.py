@@ -32,7 +32,8 @@ from laminar_jax.env.protocol import EnvStateError
 from laminar_jax.manager import modes
 from laminar_jax.weights.source import WeightSource
 from rollout.engine import Request, SamplingParams
-from rollout.multiturn import MultiTurn, done_episode, is_done_episode
+from rollout.episode import done_state, is_done_state
+from rollout.multiturn import MultiTurn
 from rollout.rpc import call, node_id, send
 
 # longest an idle rollout blocks waiting for newer weights before it asks the data actor for work
@@ -342,7 +343,8 @@ class RolloutWorker:
                 continue
             i = f.partial.sample_index
             group.done[i] = dataclasses.replace(f.partial, prompt_id=group.group.prompt_id,
-                                                repack_count=group.repacks.get(i, 0), episode=done_episode(f))
+                                                repack_count=group.repacks.get(i, 0),
+                                                episode=done_state(f.reward, f.stats, f.timings))
             group.env[i] = (f.reward, f.stats)
             group.timings[i] = f.timings
             if len(group.done) == group.group.group_size:
@@ -550,7 +552,7 @@ class RolloutWorker:
             group = by_group[p.group_id]
             i = p.sample_index
             group.repacks[i] = p.repack_count
-            if p.finish_reason is not None and is_done_episode(p.episode):
+            if p.finish_reason is not None and is_done_state(p.episode):
                 group.done[i] = p
                 group.env[i] = (float(p.episode["reward"]), dict(p.episode["stats"]))
                 group.timings[i] = tuple(p.episode["timings"])

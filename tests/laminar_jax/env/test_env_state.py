@@ -66,7 +66,8 @@ def test_snapshots_that_are_no_json_or_fail_to_restore_name_the_env():
 
 
 def test_a_partial_record_carries_its_episode_through_the_pool_state():
-    episode = {"format": 1, "phase": "step", "turns": 1, "env": {"calls": 1}, "messages": [{"role": "user", "content": "37?"}]}
+    episode = {"format": 1, "phase": "step", "turns": 1, "env": {"calls": 1},
+               "messages": [{"role": "user", "content": "37?"}]}
     p = PartialTrajectory("e0-0", 0, "r0", np.arange(3), np.arange(4), np.zeros(4), np.zeros(4), np.zeros(4, np.int64),
                           loss_mask=np.array([1, 1, 0, 0]), episode=episode)
     pool = PartialPool()
