@@ -21,50 +21,34 @@ info), max_total_tokens response tokens (policy + tool); a trajectory that reach
 finish_reason "length". An env.step that raises, returns garbage or outlives step_timeout_s ends
 its trajectory with reward 0 and an all-zero loss mask (no gradient, no normaliser: dropped from
 the loss while its group stays whole), counted in `counters["env_errors"]` and reported.
+
+Moving between rollouts (repack, failover): `snapshot(engine_partials)` gives a record of every
+live trajectory with `episode`, its state at the last turn boundary as JSON data (turns, counts,
+reward so far, chat messages, the environment's `snapshot()`), and `resume(row, record, version)`
+continues it on another rollout of the same engine kind and version: a trajectory that was
+decoding re-prefills prompt + everything so far and goes on with its turn; one that was waiting
+on env.step runs that step again on the restored environment (the step's result never left the
+old rollout). An environment without snapshot / restore, or whose snapshot failed, gives
+`episode` None: such a trajectory cannot move (the worker refuses the release).
 No Ray and no laminar_jax.runtime import here.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from laminar_jax.data.records import PartialTrajectory, request_id
 from laminar_jax.env import chat
-from laminar_jax.env.protocol import COUNT_KEYS, as_step_result
+from laminar_jax.env.protocol import (COUNT_KEYS, EnvStateError, as_step_result, can_snapshot, restore_env,
+                                      snapshot_state)
 from rollout.engine import Request, SamplingParams
-
-
-@dataclass
-class Episode:
-    """One trajectory across its turns."""
-
-    rid: str
-    env: Any
-    messages: list
-    prompt_tokens: np.ndarray
-    version: int
-    started: float
-    tokens: list = field(default_factory=list)
-    logp: list = field(default_factory=list)
-    raw_logp: list = field(default_factory=list)
-    versions: list = field(default_factory=list)
-    mask: list = field(default_factory=list)
-    turns: int = 0
-    cached_tokens: int = 0       # context tokens of later turns the engine did not prefill again
-    context_tokens: int = 0      # context tokens of later turns (prompt + response so far)
-    reward: float = 0.0
-    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
-    env_s: float = 0.0
-    first_token: float | None = None
-    pending: Any = None            # the future of the env.step in flight
-    pending_since: float = 0.0
-    last_text: str = ""
-    last_finish: str = "stop"
+from rollout.episode import Episode, check_state, episode_state, restored
 
 
 @dataclass(frozen=True)
@@ -98,14 +82,17 @@ class MultiTurn:
         self.counters = dict(turns=0, tool_calls=0, tool_errors=0, parse_errors=0, env_errors=0, env_timeouts=0,
                              env_s=0.0, limit_turns=0, limit_tool_calls=0, limit_tokens=0)
         self.errors: list[dict] = []   # env failures for the worker's event log
+        self.state_errors: list[str] = []   # snapshots that failed (the trajectory cannot move)
         self._ended: list[str] = []    # trajectories done since the last released()
 
     # ------------------------------------------------------------------ start
-    def start(self, group, version: int) -> list[Request]:
-        """One episode per sample of `group` (env.reset on its row); their first requests. A
-        reset that raises makes the episode finish at once (reported by `poll`)."""
+    def start(self, group, version: int, indices=None) -> list[Request]:
+        """One episode per sample of `group` (or the samples `indices`; env.reset on its row);
+        their first requests. A reset that raises makes the episode finish at once (reported by
+        `poll`)."""
         out = []
-        for rid in group.request_ids():
+        rids = group.request_ids()
+        for rid in rids if indices is None else [rids[i] for i in indices]:
             env = self.make_env()
             ep = Episode(rid, env, [], group.prompt_tokens, version, self.clock())
             self.episodes[rid] = ep
@@ -115,19 +102,40 @@ class MultiTurn:
             except Exception as e:  # noqa: BLE001 - the user's environment
                 ep.pending, ep.pending_since = _failed(f"env.reset raised {type(e).__name__}: {e}"), self.clock()
                 continue
+            self._save_state(ep)
             out.append(self._request(ep))
         return out
 
-    def _request(self, ep: Episode) -> Request:
+    def _request(self, ep: Episode, partial: PartialTrajectory | None = None) -> Request:
+        """The episode's next request; with `partial` (a resumed turn) its tokens so far are the
+        prefix, while the turn's budget still counts from the turn's start."""
         n = len(ep.tokens)
         budget = min(n + self.sampling.max_new_tokens, self.cfg.max_total_tokens)
         sampling = dataclasses.replace(self.sampling, max_new_tokens=budget)
         keep = self.cfg.kv_policy == "keep"
+        gid = ep.rid.rpartition("/")[0]
+        if partial is not None and partial.num_tokens > n:
+            return Request(ep.rid, ep.prompt_tokens, sampling, gid, partial.response_tokens, partial.sample_logp,
+                           partial.behaviour_logp, partial.token_versions, keep_kv=keep)
         if not n:
-            return Request(ep.rid, ep.prompt_tokens, sampling, ep.rid.rpartition("/")[0], keep_kv=keep)
-        return Request(ep.rid, ep.prompt_tokens, sampling, ep.rid.rpartition("/")[0], np.asarray(ep.tokens),
+            return Request(ep.rid, ep.prompt_tokens, sampling, gid, keep_kv=keep)
+        return Request(ep.rid, ep.prompt_tokens, sampling, gid, np.asarray(ep.tokens),
                        np.asarray(ep.logp, np.float32), np.asarray(ep.raw_logp, np.float32), np.asarray(ep.versions),
                        keep_kv=keep)
+
+    def _save_state(self, ep: Episode) -> None:
+        """The env's snapshot at a turn boundary (no env.step in flight), so the trajectory can
+        move; a snapshot that fails is reported once per trajectory and pins it here."""
+        ep.env_state = None
+        if not can_snapshot(ep.env):
+            return
+        try:
+            state = snapshot_state(ep.env, str(self.cfg.name))
+            json.dumps(ep.messages)  # the chat so far travels with it
+        except (EnvStateError, TypeError, ValueError) as e:
+            self.state_errors.append(f"trajectory {ep.rid}: {e}")
+            return
+        ep.env_state = state
 
     # ------------------------------------------------------------------ a turn ended
     def owns(self, rid: str) -> bool:
@@ -206,6 +214,7 @@ class MultiTurn:
             ep.raw_logp += [0.0] * len(obs_tokens)
             ep.versions += [ep.version if not self.allow_mixed else engine_version] * len(obs_tokens)
             ep.mask += [0.0] * len(obs_tokens)
+            self._save_state(ep)
             conts.append(self._request(ep))
         return conts, done
 
@@ -270,6 +279,49 @@ class MultiTurn:
         m = np.ones(n, np.float32)
         m[:min(n, len(ep.mask))] = ep.mask[:n]
         return m
+
+    def snapshot(self, engine_partials) -> list[PartialTrajectory]:
+        """A record of every live trajectory (module docstring): one the engine is decoding holds
+        its current turn's tokens so far too (mask 1), one waiting on env.step its turns so far."""
+        in_engine = {p.request_id: p for p in engine_partials}
+        out = []
+        for rid, ep in self.episodes.items():
+            p = in_engine.get(rid)
+            if p is None and ep.pending is None:
+                continue
+            gid, index = rid.rpartition("/")[0], int(rid.rpartition("/")[2])
+            if p is not None:
+                arrays = (p.response_tokens, p.raw_logp, p.logp, p.versions)
+            else:
+                arrays = (np.asarray(ep.tokens, np.int64), np.asarray(ep.raw_logp, np.float32),
+                          np.asarray(ep.logp, np.float32), np.asarray(ep.versions, np.int64))
+            mask = np.ones(len(arrays[0]), np.float32)
+            mask[:len(ep.mask)] = ep.mask
+            movable = ep.env_state is not None and not isinstance(ep.pending, _Failed)
+            out.append(PartialTrajectory(group_id=gid, sample_index=index, rollout_id=self.rollout_id,
+                                         prompt_tokens=ep.prompt_tokens, response_tokens=arrays[0],
+                                         behaviour_logp=arrays[1], sample_logp=arrays[2], token_versions=arrays[3],
+                                         loss_mask=mask,
+                                         episode=episode_state(ep, "decode" if p is not None else "step")
+                                         if movable else None))
+        return out
+
+    def resume(self, row, partial: PartialTrajectory, version: int) -> Request | None:
+        """Continue a trajectory another rollout started (a `snapshot` record) on this one: its
+        next request, or None when its env.step runs first. Raises EnvStateError (naming the
+        env) when the record carries no usable state or the environment cannot restore it."""
+        name = str(self.cfg.name)
+        check_state(partial, name)
+        env = self.make_env()
+        restore_env(env, name, row, partial.episode["env"])
+        ep = restored(partial, env, int(version), self.clock())
+        rid = ep.rid
+        self.episodes[rid] = ep
+        if partial.episode["phase"] == "step":   # its step's result stayed behind: run it again on the same state
+            ep.pending_since = self.clock()
+            ep.pending = self.pool.submit(env.step, ep.last_text)
+            return None
+        return self._request(ep, partial)
 
     def drop(self, rids) -> None:
         """Forget episodes (their group was released or re-issued); a running step is abandoned."""

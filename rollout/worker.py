@@ -28,9 +28,11 @@ import numpy as np
 import ray
 
 from laminar_jax.data.records import PartialTrajectory, PromptGroup, Trajectory, parse_request_id, request_id
+from laminar_jax.env.protocol import EnvStateError
 from laminar_jax.manager import modes
 from laminar_jax.weights.source import WeightSource
 from rollout.engine import Request, SamplingParams
+from rollout.episode import done_state, is_done_state
 from rollout.multiturn import MultiTurn
 from rollout.rpc import call, node_id, send
 
@@ -84,7 +86,7 @@ class RolloutWorker:
         self.counters = dict(idle_s=0.0, busy_s=0.0, decode_s=0.0, pull_s=0.0, reload_s=0.0, rpc_s=0.0,
                              reward_s=0.0, wait_s=0.0, tokens=0, steps=0, kv_time=0.0, pulls=0,
                              groups_delivered=0, reward_errors=0, decode_errors=0, released=0, adopted=0, interrupts=0,
-                             catch_up_waits=0)
+                             catch_up_waits=0, release_refused=0, restore_failures=0)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens,
@@ -329,6 +331,9 @@ class RolloutWorker:
         for error in self.turns.errors:
             self._event("env_error", **error)
         self.turns.errors.clear()
+        for error in self.turns.state_errors:  # such a trajectory stays here (no repack, no failover)
+            self._event("env_state_error", env=self.cfg.env.name, error=error[:300])
+        self.turns.state_errors.clear()
         ended = self.turns.released()
         if ended:  # their kept K/V (env.kv_policy: keep) go back to the engine's pool
             self.engine.abort(ended)
@@ -338,7 +343,8 @@ class RolloutWorker:
                 continue
             i = f.partial.sample_index
             group.done[i] = dataclasses.replace(f.partial, prompt_id=group.group.prompt_id,
-                                                repack_count=group.repacks.get(i, 0))
+                                                repack_count=group.repacks.get(i, 0),
+                                                episode=done_state(f.reward, f.stats, f.timings))
             group.env[i] = (f.reward, f.stats)
             group.timings[i] = f.timings
             if len(group.done) == group.group.group_size:
@@ -446,6 +452,11 @@ class RolloutWorker:
                                f"{DATA_CALL_TIMEOUT_S:g} s") from None
 
     def _snapshot(self) -> list[PartialTrajectory]:
+        if self.turns is not None:  # every live trajectory, in the engine or waiting on its env
+            out = [dataclasses.replace(p, prompt_id=self.groups[p.group_id].group.prompt_id,
+                                       repack_count=self.groups[p.group_id].repacks.get(p.sample_index, 0))
+                   for p in self.turns.snapshot(self.engine.partials()) if p.group_id in self.groups]
+            return out + [p for g in self.groups.values() for p in g.done.values()]
         out = []
         for p in self.engine.partials():
             gid, index = parse_request_id(p.request_id)
@@ -465,10 +476,13 @@ class RolloutWorker:
         with self._lock:
             if self.engine is None or self.engine.weight_version != version or not self.groups:
                 return None
-            if self.turns is not None:  # environment state lives here: multi-turn work is not repacked
-                return None
             snapshot = self._snapshot()
+            if self.turns is not None and not self._movable(snapshot):
+                return None
             self.engine.abort([p.request_id for p in self.engine.partials()])
+            if self.turns is not None:  # their steps in flight are abandoned, kept K/V given back
+                self.turns.drop(list(self.turns.episodes))
+                self.engine.abort(self.turns.released())
             groups = [g.group for g in self.groups.values()]
             self.groups.clear()
             self._released = True
@@ -479,25 +493,25 @@ class RolloutWorker:
 
     def adopt(self, version: int, groups: list[PromptGroup], partials: list[PartialTrajectory]) -> bool:
         """Take over groups on the same weight version (repack destination, failover); each
-        unfinished trajectory is re-prefilled (prompt + its tokens so far) and continues."""
+        unfinished trajectory is re-prefilled (prompt + its tokens so far) and continues (a
+        multi-turn one from its last turn boundary, `_resume_turns`)."""
         with self._lock:
             if self.engine is None or self.engine.weight_version != version:
                 return False
             by_group = {g.group_id: _Group(g, time.time()) for g in groups}
             requests = []
-            if self.turns is not None:  # an environment's state cannot move: its episodes start again
-                for g in groups:
-                    requests += self.turns.start(g, version)
-                partials = []
+            for p in partials:
+                if p.num_tokens and int(p.token_versions.min()) != version and not modes.interrupts_on_publish(self.mode):
+                    raise ValueError(f"adopt: trajectory {p.key} has tokens of version "
+                                     f"{int(p.token_versions.min())}, this rollout is on {version}")
+            if self.turns is not None:
+                requests, partials = self._resume_turns(version, by_group, partials), []
             for p in partials:
                 group = by_group[p.group_id]
                 group.repacks[p.sample_index] = p.repack_count
                 if p.finish_reason is not None:
                     group.done[p.sample_index] = p
                     continue
-                if p.num_tokens and int(p.token_versions.min()) != version and not modes.interrupts_on_publish(self.mode):
-                    raise ValueError(f"adopt: trajectory {p.key} has tokens of version "
-                                     f"{int(p.token_versions.min())}, this rollout is on {version}")
                 requests.append(Request(request_id(p.group_id, p.sample_index), p.prompt_tokens, self.sampling,
                                         p.group_id, p.response_tokens, p.sample_logp, p.behaviour_logp,
                                         p.token_versions))
@@ -510,9 +524,54 @@ class RolloutWorker:
             # A rollout released earlier and not yet ticked would otherwise pull newer weights
             # under the adopted work: it holds a batch of this version again, to be drained.
             self._released = False
-            self.counters["adopted"] += len(partials)
-            self._event("adopted", version=version, groups=len(groups), trajectories=len(partials))
+            moved = sum(len(g.repacks) for g in by_group.values())
+            self.counters["adopted"] += moved
+            self._event("adopted", version=version, groups=len(groups), trajectories=moved)
             return True
+
+    def _movable(self, snapshot: list[PartialTrajectory]) -> bool:
+        """Whether every trajectory of a multi-turn release carries its episode state; else the
+        release is refused (the work finishes here) and the first refusal is logged with why."""
+        stuck = [p for p in snapshot if p.episode is None]
+        if not stuck:
+            return True
+        self.counters["release_refused"] += 1
+        if self.counters["release_refused"] == 1:
+            self._event("release_refused", env=self.cfg.env.name, trajectories=len(stuck),
+                        reason=f"env {self.cfg.env.name!r}: trajectory {stuck[0].group_id}/{stuck[0].sample_index} "
+                               "has no episode state (an environment without snapshot() / restore(row, state), "
+                               "or one whose snapshot failed: see env_state_error)")
+        return False
+
+    def _resume_turns(self, version: int, by_group: dict, partials: list[PartialTrajectory]) -> list[Request]:
+        """Adopted multi-turn trajectories: finished ones wait for their group, the others go on
+        from their last turn boundary (`MultiTurn.resume`); a sample with no record, or whose
+        state cannot be restored (logged and counted, naming the env), starts again from its row."""
+        requests, resumed = [], set()
+        for p in partials:
+            group = by_group[p.group_id]
+            i = p.sample_index
+            group.repacks[i] = p.repack_count
+            if p.finish_reason is not None and is_done_state(p.episode):
+                group.done[i] = p
+                group.env[i] = (float(p.episode["reward"]), dict(p.episode["stats"]))
+                group.timings[i] = tuple(p.episode["timings"])
+                continue
+            try:
+                req = self.turns.resume(group.group.row, p, version)
+            except EnvStateError as e:
+                self.counters["restore_failures"] += 1
+                self._event("env_restore_failed", env=self.cfg.env.name, group_id=p.group_id, sample_index=i,
+                            error=str(e)[:300])
+                continue
+            resumed.add(p.key)
+            if req is not None:
+                requests.append(req)
+        for gid, group in by_group.items():
+            fresh = [i for i in range(group.group.group_size) if (gid, i) not in resumed and i not in group.done]
+            if fresh:
+                requests += self.turns.start(group.group, version, indices=fresh)
+        return requests
 
     def stats(self) -> dict:
         """Heartbeat: engine stats, counters, failure. `kv_peak` is the highest KV use since the

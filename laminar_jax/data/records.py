@@ -160,6 +160,9 @@ class PartialTrajectory:
 
     `token_versions[t]` is the weight version token t was generated on; trajectories resumed
     across versions (mode "partial") carry several. `repack_count` counts moves between rollouts.
+    `episode`: a multi-turn trajectory's state at its last turn boundary (turns, counts, chat
+    messages, the environment's snapshot; `rollout.multiturn`), JSON data, so that another
+    rollout can continue it; None for a single-turn response.
     """
 
     group_id: str
@@ -174,10 +177,13 @@ class PartialTrajectory:
     repack_count: int = 0
     finish_reason: str | None = None
     loss_mask: np.ndarray | None = None
+    episode: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         where = f"partial {request_id(self.group_id, self.sample_index)}"
         _normalise_tokens(self, where)
+        if self.episode is not None and not isinstance(self.episode, Mapping):
+            raise ValueError(f"{where}: episode must be a mapping or None, got {type(self.episode).__name__}")
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"{where}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS} or None")
 

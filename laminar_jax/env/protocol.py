@@ -8,9 +8,20 @@
 One environment object serves one trajectory (the rollout builds a fresh one per sample), so it
 may keep state between steps. `info` carries counts the rollout sums per trajectory and logs
 (keys of `COUNT_KEYS` when present: tool_calls, tool_errors, parse_errors, correct_tool_calls).
+
+Optional, so that a trajectory can move between rollouts between its turns (repack, failover):
+
+    state = env.snapshot()        the environment's state between two steps, as plain JSON data
+    env.restore(row, state)       on a fresh environment, in place of reset(row): the same state
+
+The state travels in the partial-response pool and the learner checkpoint as JSON, never
+pickled, so it holds only dicts, lists, strings, numbers, booleans and None (`snapshot_state`
+checks it). An environment without the two methods works as before; its trajectories just stay
+on the rollout that started them.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
 
 COUNT_KEYS = ("tool_calls", "tool_errors", "parse_errors", "correct_tool_calls")
@@ -42,3 +53,37 @@ def as_step_result(value: Any) -> StepResult:
     if obs is not None and not isinstance(obs, str):
         raise ValueError(f"env.step observation must be a string or None, got {type(obs).__name__}")
     return StepResult(obs, reward, bool(done), dict(info or {}))
+
+
+class EnvStateError(ValueError):
+    """An environment's snapshot cannot be taken or restored (the message names the env)."""
+
+
+def can_snapshot(env: Any) -> bool:
+    return callable(getattr(env, "snapshot", None)) and callable(getattr(env, "restore", None))
+
+
+def snapshot_state(env: Any, name: str) -> dict:
+    """`env.snapshot()` checked to be JSON data; returned as its JSON round trip (a copy that
+    later steps cannot change). Raises EnvStateError naming env `name`."""
+    try:
+        state = env.snapshot()
+    except Exception as e:  # noqa: BLE001 - the user's environment
+        raise EnvStateError(f"env {name!r}: snapshot() raised {type(e).__name__}: {e}") from None
+    if not isinstance(state, Mapping):
+        raise EnvStateError(f"env {name!r}: snapshot() must return a mapping, got {type(state).__name__}")
+    try:
+        text = json.dumps(state, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise EnvStateError(f"env {name!r}: snapshot() is not JSON data ({e})") from None
+    return json.loads(text)
+
+
+def restore_env(env: Any, name: str, row: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+    """`env.restore(row, state)`; a failure raises EnvStateError naming env `name`."""
+    if not can_snapshot(env):
+        raise EnvStateError(f"env {name!r}: {type(env).__name__} has no snapshot() / restore(row, state)")
+    try:
+        env.restore(row, json.loads(json.dumps(state)))
+    except Exception as e:  # noqa: BLE001 - the user's environment
+        raise EnvStateError(f"env {name!r}: restore() of a snapshot raised {type(e).__name__}: {e}") from None

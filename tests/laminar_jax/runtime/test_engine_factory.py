@@ -64,3 +64,7 @@ def test_env_kv_policy_turns_vllm_prefix_caching_on_for_multi_turn_runs_only(mon
         cfg = load_config("configs/default.yaml", ["rollout.engine=vllm", *overrides])
         engines.EngineFactory(cfg, None, workdir=str(tmp_path))({}, 0)
     assert [kw["enable_prefix_caching"] for kw in seen] == [False, True, False]
+    # on CPU the cache's blocks are small enough for a tool run's contexts to fill some
+    assert [kw.get("block_size") for kw in seen] == [None, engines.VLLM_PREFIX_BLOCK_SIZE, None]
+    budget = cfg.rollout.kv_budget_tokens
+    assert [kw["num_kv_blocks"] for kw in seen] == [budget // 128 + 1, budget // 32 + 1, budget // 128 + 1]
