@@ -63,6 +63,7 @@ RESTART_DEFER_S = 10.0
 # ... and then this much longer, while the rollouts load that broadcast
 RESTART_SETTLE_S = 1.5
 MASTER_POLL_S = 5.0     # the heartbeat's question to the master about its served version
+STOP_TIMEOUT_S = 30.0   # RelayWorker.stop: the longest a relay's restore in flight may take to end
 WATCH_S = 30.0          # length of one relay `watch` call of the monitor (re-armed when it returns)
 LOOPBACK = "127.0.0.1"
 
@@ -440,10 +441,21 @@ class RelayGroup:
         self._wire(self.order, only={self.order[0] if self.topology == "fanout" else tail})
         return self.relays[node]
 
-    def shutdown(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stops the monitor, then every relay (`RelayWorker.stop`: the master step and the
+        standby's read in flight end, nothing new starts): after this no relay reads the weight
+        store, so the learner may remove it. Relays that do not answer within timeout_s are
+        left to `shutdown`'s kill."""
         self._monitor_stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=CALL_TIMEOUT_S)
+        with self._lock:
+            refs = [h.stop.remote(timeout_s) for h in self.relays.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 5.0)
+
+    def shutdown(self) -> None:
+        """`stop`, then the relay processes are killed (and restarts still pending)."""
+        self.stop()
         with self._lock:
             for handle in [*self.relays.values(), *(j.handle for j in self._pending.values())]:
                 if handle is not None:
