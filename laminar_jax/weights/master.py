@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import time
 from typing import Any, Callable
@@ -83,9 +84,28 @@ def prune(role: MasterRole, version: int) -> list[int]:
         removed = [v for v in store.versions() if v < version]
         for v in removed:
             store.delete(v)
+        if not store.shared:   # one host's tmpfs: a pin's pid is a process of this host
+            _remove_dead_pins(store.root)
         return removed
     from laminar_jax.weights import publish
     return publish.prune_store(store, version)
+
+
+_PIN = re.compile(r"^v\d{10}\.standby-(\d+)$")
+
+
+def _remove_dead_pins(root: str) -> None:
+    """Pins a killed standby left (each holds a version's data while its links last)."""
+    for name in os.listdir(root):
+        m = _PIN.match(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except PermissionError:   # alive, another user's
+            pass
 
 
 def pin(store: Any, version: int) -> str | None:

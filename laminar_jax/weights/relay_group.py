@@ -20,9 +20,10 @@ Faults: a relay that stops answering with an actor error is evicted and `chain.r
 out; its upstream is re-pointed at its downstream and resends the chunks the downstream lacks. If
 the master died, the next relay of the chain becomes master and the publisher (and every
 `on_master_change` callback) is told, so the newest published version is announced to it again.
-That relay is warm: the next master in line always runs one master step ahead of time
-(`RelayWorker.prepare_standby`), so a failover costs about a normal broadcast, not a process's
-first orbax restore. A dead relay whose node is still alive is started again (up to
+That relay is warm: the next master in line follows the weight store as a standby
+(`RelayWorker.prepare_standby`, `weights.standby`), preparing each committed version it lacks,
+so a promotion serves the newest version without an orbax restore, and a failover costs about a
+normal broadcast, not a process's first orbax restore. A dead relay whose node is still alive is started again (up to
 `max_restarts` per group) and appended to the chain; its upstream resends it the current
 version. The start does not block the group (the heartbeat moves it on), and after a master
 failover it waits for the new master's first broadcast and RESTART_SETTLE_S more while the rollouts

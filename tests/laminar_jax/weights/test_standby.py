@@ -105,3 +105,17 @@ def test_stop_waits_for_the_master_step_in_hand_and_ignores_later_publishes(tmp_
     time.sleep(0.2)
     assert relay.latest().version == 1 and not _kinds(relay, "relay_error")
     pub.close()
+
+
+def test_prune_removes_the_pins_of_dead_standbys_only(tmp_path):
+    import subprocess
+    store = publish.WeightStore.local(str(tmp_path / "store"))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name in ("v0000000001", "v0000000002", f"v0000000001.standby-{dead.pid}",
+                 f"v0000000002.standby-{os.getpid()}"):
+        os.makedirs(os.path.join(store.root, name, "d"))
+    role = master.MasterRole(store=store, cfg=CFG, chain_length=1)
+    assert master.prune(role, 2) == [1]
+    assert sorted(os.listdir(store.root)) == ["v0000000002", f"v0000000002.standby-{os.getpid()}"]
+    assert store.versions() == [2]
