@@ -246,6 +246,12 @@ class Fleet:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
         events = self.drain_events()
+        if self.relays is not None:
+            # before the learner's close removes the weight store: a relay restoring a version
+            # whose files vanish fails half-way, and tensorstore's reads still in flight then
+            # complete on orbax's closed event loop ("Event loop is closed" tracebacks)
+            self.relays.stop()
+            self.relays.collect_events()   # their last events, logged
         try:
             events += ray.get(self.learner.close.remote(), timeout=300)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

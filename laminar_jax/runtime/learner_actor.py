@@ -42,6 +42,15 @@ PRECOMPILE_JOIN_S = 120.0
 PRECOMPILE_NICE = 10
 # one blocking wait on the data actor; the learner re-asks until STALL_TIMEOUT_S
 SAMPLE_WAIT_S = 5.0
+# while it waits for the data actor, a step looks this often whether close() began
+CLOSE_POLL_S = 0.1
+# close() waits this long for a step in flight to end (an update, with its compiles) before closing
+CLOSE_WAIT_S = 240.0
+
+
+class LearnerClosed(RuntimeError):
+    """close() began while this step ran (the driver stopped with a step in flight): the step
+    ends before it publishes or saves, so nothing is handed to a closed orbax checkpointer."""
 
 
 def _lower_thread_priority() -> None:
@@ -96,6 +105,10 @@ class Learner:
         clock.mark("build")
         self.state, self.version = self.setup.state, 0
         self._lock, self._events = threading.Lock(), []
+        # The actor is threaded: close() may come while a step runs (the driver stopped on an
+        # error or a hook with the next step queued). A step holds _step_lock; close() sets
+        # _closing, then takes the lock, so it closes orbax only once no step can save any more.
+        self._step_lock, self._closing = threading.Lock(), threading.Event()
         self._publish_t0, self._write_s = {}, 0.0
         self.checkpointer = Checkpointer(run_dir, on_commit=lambda rec: self._log_committed([rec]))
         latest = self.checkpointer.latest() if resume else None
@@ -166,10 +179,16 @@ class Learner:
         return None if since is None else time.time() - since
 
     def publish(self) -> int:
-        self._mirror.send(self.version, "publish")
-        self.publisher.publish(self.version, self.state.params)
-        self._mirror.collect()
-        return self.version
+        with self._step_lock:
+            self._check_open()
+            self._mirror.send(self.version, "publish")
+            self.publisher.publish(self.version, self.state.params)
+            self._mirror.collect()
+            return self.version
+
+    def _check_open(self) -> None:
+        if self._closing.is_set():
+            raise LearnerClosed(f"learner at version {self.version}: closing, the step ends here")
 
     def follow(self, seq: int, version: int, op: str, args: tuple) -> None:
         """A follower host: the leader's collective call number `seq`, run in the leader's order."""
@@ -200,9 +219,15 @@ class Learner:
         start = self._waiting_since = time.time()
         batch_index = self.version if modes.uses_global_batches(self.mode) else None
         while True:
-            # blocks in the data actor until the groups are there (no polling loop)
-            groups = ray.get(self.data.wait_sample.remote(num_groups, self.version, batch_index, SAMPLE_WAIT_S),
-                             timeout=SAMPLE_WAIT_S + 60)
+            # blocks in the data actor until the groups are there; here, close() is looked for
+            ref = self.data.wait_sample.remote(num_groups, self.version, batch_index, SAMPLE_WAIT_S)
+            deadline = time.monotonic() + SAMPLE_WAIT_S + 60
+            while not ray.wait([ref], timeout=CLOSE_POLL_S)[0]:
+                self._check_open()
+                if time.monotonic() > deadline:
+                    raise ray.exceptions.GetTimeoutError(
+                        f"learner: data.wait_sample gave no answer within {SAMPLE_WAIT_S + 60:.0f} s")
+            groups = ray.get(ref)
             if groups:
                 self._waiting_since = None
                 return groups, time.time() - start
@@ -288,13 +313,19 @@ class Learner:
             for v in [v for v in self._past_params if v <= self.version - keep]:
                 del self._past_params[v]
 
-    def step(self) -> dict:
-        """One iteration; returns {"metrics", "trajectories", "events", "version"}."""
-        try:
-            return self._step()
-        except Exception as e:
-            self._mirror.explain(e)   # learner.hosts > 1: a dead host's name, not a gloo error
-            raise
+    def step(self) -> dict | None:
+        """One iteration; returns {"metrics", "trajectories", "events", "version"}, or None when
+        close() began before it could publish (nobody reads that step: the driver is stopping,
+        and an error there would only be logged as an unhandled one)."""
+        with self._step_lock:
+            try:
+                self._check_open()
+                return self._step()
+            except LearnerClosed:
+                return None
+            except Exception as e:
+                self._mirror.explain(e)   # learner.hosts > 1: a dead host's name, not a gloo error
+                raise
 
     def _step(self) -> dict:
         t_start, v = time.time(), self.version
@@ -316,6 +347,9 @@ class Learner:
         if short > 0:   # benchmarks: the emulated accelerator-bound update is update time
             time.sleep(short)
             self._times.times["update_s"] += short
+        # the last point the step may end: past it, it publishes (and may save) this version;
+        # every host has run the same updates, none a publish the others lack
+        self._check_open()
         self.version = v + 1
         clock = time.perf_counter()
         self._mirror.send(self.version, "publish")
@@ -369,7 +403,24 @@ class Learner:
             self._event("checkpoint", version=rec["version"], path=rec["path"], save_s=rec["save_s"])
 
     def close(self) -> list[dict]:
+        """Ends the step in flight (at its next wait for data, or before its publish), then
+        waits for orbax's writes and saves and closes them, and removes the weight store."""
         import shutil
+        self._closing.set()
+        if not self._step_lock.acquire(timeout=CLOSE_WAIT_S):   # an update still compiling
+            self._event("close_timeout", version=self.version, waited_s=CLOSE_WAIT_S)
+            return self._drain_events()
+        try:
+            return self._close(shutil)
+        finally:
+            self._step_lock.release()
+
+    def _drain_events(self) -> list[dict]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _close(self, shutil: Any) -> list[dict]:
         if not self._mirror.alive():   # a dead learner host: no multi-host save or write can finish
             shutil.rmtree(self.store.root, ignore_errors=True)
             return [{"kind": "learner_host_lost", "t": time.time(), "version": self.version}]
@@ -380,6 +431,4 @@ class Learner:
         self.publisher.close()
         self._mirror.collect()
         shutil.rmtree(self.store.root, ignore_errors=True)
-        with self._lock:
-            events, self._events = self._events, []
-        return events
+        return self._drain_events()

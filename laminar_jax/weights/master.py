@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
 import time
 from typing import Any, Callable
 
@@ -18,7 +20,7 @@ import numpy as np
 from laminar_jax.weights import flat
 from laminar_jax.weights.chain import optimal_chunks
 
-__all__ = ["MasterRole", "prepare", "prune"]
+__all__ = ["MasterRole", "prepare", "prepare_pinned", "pin", "prune"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,69 @@ def prune(role: MasterRole, version: int) -> list[int]:
         removed = [v for v in store.versions() if v < version]
         for v in removed:
             store.delete(v)
+        if not store.shared:   # one host's tmpfs: a pin's pid is a process of this host
+            _remove_dead_pins(store.root)
         return removed
     from laminar_jax.weights import publish
     return publish.prune_store(store, version)
+
+
+_PIN = re.compile(r"^v\d{10}\.standby-(\d+)$")
+
+
+def _remove_dead_pins(root: str) -> None:
+    """Pins a killed standby left (each holds a version's data while its links last)."""
+    for name in os.listdir(root):
+        m = _PIN.match(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except PermissionError:   # alive, another user's
+            pass
+
+
+def pin(store: Any, version: int) -> str | None:
+    """A private copy of `version`'s folder made of hard links (no bytes copied), beside it in
+    the store: `v{version}.standby-{pid}`; None when the version is gone (pruned meanwhile).
+
+    A reader other than the master (the standby following the store) may find the version it
+    reads pruned by the master under it, once the master has taken a newer one. Orbax then
+    fails half-way, and tensorstore's reads still in flight complete on orbax's closed event
+    loop ("Event loop is closed" tracebacks). Files keep their data while a link is left, so
+    reading the pinned copy never races the prune. The name matches the store's entries
+    (`run_folder` removes a pin a killed reader left with its store); `store.versions()` skips it."""
+    src = store.path(version)
+    dst = f"{src}.standby-{os.getpid()}"
+    shutil.rmtree(dst, ignore_errors=True)
+
+    def fail(error: OSError) -> None:
+        raise error
+    try:
+        for top, _, files in os.walk(src, onerror=fail):
+            rel = os.path.relpath(top, src)
+            os.makedirs(os.path.join(dst, rel), exist_ok=True)
+            for name in files:
+                os.link(os.path.join(top, name), os.path.join(dst, rel, name))
+        if not os.path.isdir(src):   # pruned before its folder was listed: an empty copy
+            raise FileNotFoundError(src)
+    except OSError:
+        shutil.rmtree(dst, ignore_errors=True)
+        return None
+    return dst
+
+
+def prepare_pinned(role: MasterRole, version: int, *,
+                   allocate: Callable[[int], np.ndarray] | None = None
+                   ) -> tuple[flat.Manifest, np.ndarray, dict[str, float]] | None:
+    """`prepare` of a version this process does not own (the store is visible here), read from
+    a pinned copy (`pin`); None when the version was pruned before it could be pinned."""
+    path = pin(role.store, version)
+    if path is None:
+        return None
+    try:
+        return prepare(role, version, path, allocate=allocate)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

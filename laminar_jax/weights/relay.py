@@ -54,13 +54,12 @@ from laminar_jax.weights import flat, master, shared_buffer, stream
 from laminar_jax.weights.events import record
 from laminar_jax.weights.relay_links import Downstream
 from laminar_jax.weights.relay_state import Arrival, Served, Versions
+from laminar_jax.weights.standby import Standby
 
 __all__ = ["RelayWorker", "Snapshot", "pull", "read", "TRANSPORTS"]
 
 TRANSPORTS = ("tcp", "object_store")
 STANDBY_WAIT_S = 600.0   # how long a standby master waits for the store's first version to warm on
-STANDBY_POLL_S = 0.5
-STANDBY_TRIES = 5        # the version a standby restores may be pruned under it: the newest again
 MAX_WAIT_S = 300.0       # the longest a `wait_newer` call waits inside the relay
 
 
@@ -134,7 +133,10 @@ class RelayWorker:
                                 token=stream_token, idle_timeout_s=idle_timeout_s,
                                 host_key=self._host_key if shared_links else None)
         self._role: master.MasterRole | None = None
-        self._warm = False           # ran one master step (standby, or master since a publish)
+        self._warm = False           # ran one master step (master since a publish)
+        self._standby: Standby | None = None   # following the store as the next master in line
+        self._reads = 0              # orbax restores of the store (master steps, past standbys)
+        self._stopping = threading.Event()
         self._server = None
         if transport == "tcp":
             host = host or ray.util.get_node_ip_address()
@@ -150,51 +152,44 @@ class RelayWorker:
 
     def prepare_standby(self, role: master.MasterRole | None = None,
                         wait_s: float = STANDBY_WAIT_S) -> None:
-        """The group's next master in line gets ready ahead of time, on a low-priority thread:
-        it imports what a master needs (orbax, jax) and, given `role`, runs one full master step
-        (`master.prepare`) on the store's newest version and throws the result away. A
-        process's first orbax restore costs seconds of CPU more than the next ones (tensorstore
-        and thread pools start, code paths warm up); a failover must cost a broadcast, not that.
-        The restore waits (up to `wait_s`) until this relay serves a version newer than the one
-        it served when asked: a standby named at a failover must not take cores from the new
-        master's first broadcast."""
-        served_then = self._versions.current_version
+        """The group's next master in line gets ready ahead of time: given `role`, it follows
+        the weight store at the lowest CPU priority (`weights.standby`): each committed version
+        it does not serve yet is restored, converted and checksummed into a buffer of its own,
+        so a promotion serves the newest version without reading the store, and the process's
+        first orbax restore (seconds of CPU more than later ones) is paid ahead. The first read
+        waits (up to `wait_s`) until this relay serves a version newer than the one it served
+        when asked: a standby named at a failover must not take cores from the new master's
+        first broadcast. Without `role`: only the imports a master needs."""
+        if self._role is not None or self._stopping.is_set():
+            return
+        old = self._standby
+        if old is not None:
+            old.stop()
+            self._reads += old.reads
+        if role is None:
+            def imports() -> None:
+                import orbax.checkpoint  # noqa: F401
+                from laminar_jax.weights import publish  # noqa: F401
+            threading.Thread(target=imports, name="standby-imports", daemon=True).start()
+            return
+        self._standby = Standby(role, served=lambda: self._versions.current_version,
+                                allocate=None if self._pool is None else self._pool.take,
+                                log=self._log, first_after=self._versions.current_version,
+                                wait_s=wait_s).start()
 
-        def warm() -> None:
-            # imports at normal priority: the loop thread of a master elected meanwhile waits
-            # for them (the import lock), and must not wait on a thread that gets no CPU
-            import orbax.checkpoint  # noqa: F401
-            from laminar_jax.weights import publish  # noqa: F401
-            if role is None:
-                return
-            shared_buffer.background_priority()
-            deadline = time.monotonic() + wait_s
-            versions: list[int] = []
-            while time.monotonic() < deadline and self._role is None:
-                served = self._versions.current_version
-                if served is not None and (served_then is None or served > served_then):
-                    versions = role.store.versions() if os.path.isdir(role.store.root) else []
-                    break
-                time.sleep(STANDBY_POLL_S)
-            if not versions or self._role is not None:   # nothing to read, or master already
-                self._log("standby_ready", warmed=False)
-                return
-            timings, error = None, None
-            for _ in range(STANDBY_TRIES):
-                if not versions or self._role is not None:
-                    break
-                try:
-                    _, _, timings = master.prepare(role, versions[-1], role.store.path(versions[-1]))
-                    break
-                except Exception as e:  # noqa: BLE001 - pruned meanwhile (a slow restore): the newest again
-                    error = e
-                    versions = role.store.versions() if os.path.isdir(role.store.root) else []
-            if timings is None:
-                self._log("standby_ready", warmed=False, error=repr(error))
-                return
-            self._warm = True
-            self._log("standby_ready", warmed=True, version=versions[-1], **timings)
-        threading.Thread(target=warm, name="standby-warm", daemon=True).start()
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Clean shutdown: no more messages are handled, the one in hand (a master step, which
+        reads the store) and the standby's read in flight end first, and the stream server and
+        links close. The group calls it before the store is removed and the actor killed."""
+        self._stopping.set()
+        deadline = time.monotonic() + timeout_s
+        if self._standby is not None:
+            self._standby.stop(timeout_s)
+        self._inbox.put(("stop", ()))
+        self._loop_thread.join(max(0.0, deadline - time.monotonic()))
+        self._down.relink(())
+        if self._server is not None:
+            self._server.close()
 
     def watch(self, seconds: float) -> str:
         """Returns after `seconds`: the group's monitor keeps one such call open per relay, so
@@ -214,11 +209,14 @@ class RelayWorker:
         return self._host_key
 
     def configure_master(self, role: master.MasterRole) -> None:
-        """Makes this relay the master (or updates its role). A relay just promoted restores the
+        """Makes this relay the master (or updates its role). A relay just promoted serves the
         store's newest version at once, without waiting for the publisher's re-announcement
-        (one more hop through the learner, slow on a loaded machine); that one is then skipped."""
+        (one more hop through the learner, slow on a loaded machine; that one is then skipped):
+        from its standby's prepared copy when it has that version, else by restoring it."""
         promoted, self._role = self._role is None, role
-        if promoted:
+        if promoted and self._standby is not None:
+            self._standby.stop()   # its prepared version waits for this master's first publish
+        if promoted and not self._stopping.is_set():
             versions = role.store.versions() if os.path.isdir(role.store.root) else []
             if versions:
                 self.publish(versions[-1], role.store.path(versions[-1]))
@@ -268,8 +266,14 @@ class RelayWorker:
         return self._versions.chunks_held(version)
 
     def status(self) -> dict:
-        return {"name": self.name, "master": self._role is not None, "warm": self._warm, "transport": self.transport,
-                **self._versions.status(), "downstream": len(self._down)}
+        standby = self._standby
+        return {"name": self.name, "master": self._role is not None,
+                "warm": self._warm or (standby is not None and standby.warm), "transport": self.transport,
+                **self._versions.status(), "downstream": len(self._down),
+                # orbax restores of the store: master steps, and the standby's follower
+                "store_reads": self._reads + (0 if standby is None else standby.reads),
+                "standby_prepared": None if standby is None or standby.prepared is None
+                else standby.prepared.manifest.version}
 
     def drain_events(self) -> list[dict]:
         with self._events_lock:
@@ -289,6 +293,8 @@ class RelayWorker:
                     "stream_chunk": self._on_stream_chunk, "relink": self._on_relink}
         while True:
             kind, args = self._inbox.get()
+            if kind == "stop":
+                return
             try:
                 handlers[kind](*args)
             except Exception as e:  # noqa: BLE001 - a relay must survive one bad message
@@ -305,6 +311,29 @@ class RelayWorker:
         if version < self._announced:   # a newer version is queued: relays need only the latest
             self._log("publish_skipped", version=version, newer=self._announced)
             return
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            self._reads += standby.reads
+        prepared = None if standby is None else standby.take(version)   # promoted: it follows
+        if prepared is not None:   # the standby's step, done ahead: no store read here
+            manifest, buffer, source, timings = (prepared.manifest, prepared.buffer, prepared.shared,
+                                                 prepared.timings)
+            if manifest.num_chunks != role.chunks_for(buffer.size):   # the chain changed since
+                manifest = flat.make_manifest(version, buffer, manifest.index, role.chunks_for(buffer.size))
+        else:
+            manifest, buffer, source, timings = self._restore(role, version, path)
+        self._warm = True
+        self._log("master_restored", version=version, bytes=int(buffer.size),
+                  chunks=manifest.num_chunks, standby=prepared is not None, **timings)
+        clock = time.perf_counter()
+        for i, (s, e) in enumerate(manifest.chunks):
+            self._down.forward(manifest, i, buffer[s:e],
+                               source=None if source is None else source.handle)
+        self._complete(manifest, buffer, shared=source, forward_s=time.perf_counter() - clock)
+        self._pruner.submit(self._prune, role, version)
+
+    def _restore(self, role: master.MasterRole, version: int, path: str):
+        """The master step on the store: (manifest, buffer, its SharedBuffer or None, timings)."""
         shared: list[shared_buffer.SharedBuffer] = []
 
         def allocate(nbytes: int) -> np.ndarray:   # the master converts straight into it
@@ -313,18 +342,10 @@ class RelayWorker:
             shared.append(self._pool.take(nbytes, populate=False))
             return shared[-1].array
 
+        self._reads += 1
         manifest, buffer, timings = master.prepare(
             role, version, path, allocate=None if self._pool is None else allocate)
-        self._warm = True
-        source = shared[0] if shared else None
-        self._log("master_restored", version=version, bytes=int(buffer.size),
-                  chunks=manifest.num_chunks, **timings)
-        clock = time.perf_counter()
-        for i, (s, e) in enumerate(manifest.chunks):
-            self._down.forward(manifest, i, buffer[s:e],
-                               source=None if source is None else source.handle)
-        self._complete(manifest, buffer, shared=source, forward_s=time.perf_counter() - clock)
-        self._pruner.submit(self._prune, role, version)
+        return manifest, buffer, shared[0] if shared else None, timings
 
     def _prune(self, role: master.MasterRole, version: int) -> None:
         """Off the loop, at low priority: deleting a version frees as many pages as the model

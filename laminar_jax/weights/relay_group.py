@@ -20,9 +20,10 @@ Faults: a relay that stops answering with an actor error is evicted and `chain.r
 out; its upstream is re-pointed at its downstream and resends the chunks the downstream lacks. If
 the master died, the next relay of the chain becomes master and the publisher (and every
 `on_master_change` callback) is told, so the newest published version is announced to it again.
-That relay is warm: the next master in line always runs one master step ahead of time
-(`RelayWorker.prepare_standby`), so a failover costs about a normal broadcast, not a process's
-first orbax restore. A dead relay whose node is still alive is started again (up to
+That relay is warm: the next master in line follows the weight store as a standby
+(`RelayWorker.prepare_standby`, `weights.standby`), preparing each committed version it lacks,
+so a promotion serves the newest version without an orbax restore, and a failover costs about a
+normal broadcast, not a process's first orbax restore. A dead relay whose node is still alive is started again (up to
 `max_restarts` per group) and appended to the chain; its upstream resends it the current
 version. The start does not block the group (the heartbeat moves it on), and after a master
 failover it waits for the new master's first broadcast and RESTART_SETTLE_S more while the rollouts
@@ -63,6 +64,7 @@ RESTART_DEFER_S = 10.0
 # ... and then this much longer, while the rollouts load that broadcast
 RESTART_SETTLE_S = 1.5
 MASTER_POLL_S = 5.0     # the heartbeat's question to the master about its served version
+STOP_TIMEOUT_S = 30.0   # RelayWorker.stop: the longest a relay's restore in flight may take to end
 WATCH_S = 30.0          # length of one relay `watch` call of the monitor (re-armed when it returns)
 LOOPBACK = "127.0.0.1"
 
@@ -440,10 +442,21 @@ class RelayGroup:
         self._wire(self.order, only={self.order[0] if self.topology == "fanout" else tail})
         return self.relays[node]
 
-    def shutdown(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stops the monitor, then every relay (`RelayWorker.stop`: the master step and the
+        standby's read in flight end, nothing new starts): after this no relay reads the weight
+        store, so the learner may remove it. Relays that do not answer within timeout_s are
+        left to `shutdown`'s kill."""
         self._monitor_stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=CALL_TIMEOUT_S)
+        with self._lock:
+            refs = [h.stop.remote(timeout_s) for h in self.relays.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 5.0)
+
+    def shutdown(self) -> None:
+        """`stop`, then the relay processes are killed (and restarts still pending)."""
+        self.stop()
         with self._lock:
             for handle in [*self.relays.values(), *(j.handle for j in self._pending.values())]:
                 if handle is not None:

@@ -26,11 +26,16 @@ MAX_CONNECTIONS, IDLE_S, CHECK_S, DURATION_S, TAIL_S = 4, 3.0, 0.25, 28.0, 8.0
 # 25-50; in the last, the new master's restore took 0.44 s, 4x a typical one), 1.2x/1.0x (the
 # full 10-minute run), 1.6x/1.9x (a restore of 2x the median, load 26). The relay -> rollout
 # part is 10-80 ms in all of them. Before: 2.0x (this session's first run), 2.1x-2.6x, and 13x
-# with a rollout waiting 2 s to go home (fixed: weights.source.retry_plan).
+# with a rollout waiting 2 s to go home (fixed: weights.source.retry_plan). With the standby
+# following the store (weights.standby: a promotion serves a version already in the store
+# without a restore), three short runs at load 20-35: 0.2x/0.8x (the version was written 0.27 s
+# before the kill), 0.6x/0.6x and 2.0x/1.9x (both written after the kill, so restored by the new
+# master as any version is: in the last, that restore read 0.24 s against a median 0.10 s). A
+# version written after the kill keeps that single-restore spread, so the bound stays 3x.
 MASTER_RATIO = 3.0
 
 
-def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, warm_model, tmp_path):
+def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, warm_model, tmp_path, capfd):
     # the master fault waits for its standby to be warm (chaos.STANDBY_WAIT_S at most): the
     # relay killed at 9 s is that standby once restarted (warm 7-10 s after its kill, measured)
     faults = [(6.0, "rollout"), (9.0, "relay"), (20.0, "master")]
@@ -40,6 +45,12 @@ def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, wa
                         window_s=5.0, extra=extra,
                         probe=lambda fleet: chaos.probe_streams(fleet, max_connections=MAX_CONNECTIONS),
                         tail_s=TAIL_S)
+    # the run stopped from its hook with a step in flight, and its relays restore from the store
+    # until the end: neither may print a close-order traceback (the workers' output comes with
+    # this process's, Ray's log_to_driver)
+    printed = "".join(capfd.readouterr())
+    for bad in ("cannot schedule new futures", "Event loop is closed"):
+        assert bad not in printed, printed[max(0, printed.find(bad) - 2000):printed.find(bad) + 2000]
     print(chaos.table(r))
     print({k: r[k] for k in ("master_failover", "relay_checks", "probe", "relays_not_restarted",
                              "foreign_relay_pulls")})
