@@ -8,7 +8,7 @@ The learner's timeline between the end of step k-1 and the end of step k is cut 
     batch        assembly of the padded batch + advantages (host)
     logprob      prox / ref log-prob recompute (learner compute)
     update       the optimizer update(s) (learner compute)
-    publish      cast + device-to-host copy of the weights (orbax writes the rest in the background)
+    publish      cast + device-to-host copy of the weights (a writer thread runs the orbax save)
     unaccounted  what is left: wall - the sum above (metrics, bookkeeping)
 
 While the learner waits, the rollouts decode or do something else. Their own split (mean over
