@@ -17,6 +17,12 @@ completes even when every write takes longer than a train step. A failed write i
 host saves every version in order (orbax's saves join cross-host barriers), in the step loop,
 after the previous write has finished.
 
+Each write holds the process's orbax save slot (`laminar_jax.orbax_saves`) from before orbax's
+`save` until its commit, and so does the learner's checkpoint: orbax numbers saves from a
+process-wide counter, and two saves at once in two threads of one process hang each other's
+commits (CI: the learner's checkpoint waited 300 s for a signalling key). A version waiting for
+the slot behind a checkpoint is replaced by a newer one queued meanwhile.
+
 Weight store: `root/v{version:010d}/` (orbax's own layout; orbax writes into a temporary folder
 and renames it when complete, so a `v...` folder is always whole). By default `root` is a fresh
 folder on tmpfs (/dev/shm) of the learner's node; pass a shared path (network file system, or an
@@ -37,6 +43,8 @@ import uuid
 from typing import Any, Callable
 
 import numpy as np
+
+from laminar_jax import orbax_saves
 
 __all__ = ["WeightStore", "Publisher", "read_path", "read_version", "prune_store"]
 
@@ -184,7 +192,9 @@ class Publisher:
         self._master = master
         # One checkpointer, used by the writer thread only: one write at a time, in version order
         self._checkpointer = self._new_checkpointer()
-        self._queue: list[tuple[int, Any]] = []   # (version, host tree | None) not started yet
+        # (version, host tree | None, save slot | None) not started yet; multi-process jobs were
+        # started in the step loop, holding the process's orbax save slot
+        self._queue: list[tuple[int, Any, Any]] = []
         self._writing: int | None = None
         self._closed = False
         self._writer: threading.Thread | None = None
@@ -227,15 +237,20 @@ class Publisher:
             # in the same order, here, once the writer thread has finished waiting for the
             # previous one (orbax's checkpointer is not for two threads at once).
             self.wait_until_written()
-            self._checkpointer.save(self.store.path(version), args=ocp.args.PyTreeSave(cast))
-            job = (version, None)
+            slot = orbax_saves.acquire(f"publish v{version} to {self.store.root}")
+            try:
+                self._checkpointer.save(self.store.path(version), args=ocp.args.PyTreeSave(cast))
+            except BaseException:
+                slot.release()
+                raise
+            job = (version, None, slot)
         else:
             # The device-to-host copy, owned by numpy: the next update donates (reuses) the
             # params' buffers, and the cast can return them unchanged (same dtype).
-            job = (version, jax.tree.map(np.array, cast))
+            job = (version, jax.tree.map(np.array, cast), None)
         with self._cond:
             if not self._multi_process:   # relays need only the newest: drop unstarted ones
-                for old, _ in self._queue:
+                for old, _, _ in self._queue:
                     self._events("publish_superseded", version=old, by=version)
                 self._queue.clear()
             self._queue.append(job)
@@ -254,16 +269,34 @@ class Publisher:
                     self._cond.wait()
                 if not self._queue:
                     return
-                version, tree = self._queue.pop(0)
+                version, tree, slot = self._queue.pop(0)
                 self._writing = version
             try:
+                if slot is None:
+                    # One orbax save at a time in this process (the learner's checkpoint may be
+                    # committing); a version queued meanwhile is newer: write that one instead.
+                    slot = orbax_saves.acquire(f"publish v{version} to {self.store.root}")
+                    version, tree = self._newest_after_wait(version, tree)
                 self._write(version, tree)
             except Exception as e:  # noqa: BLE001 - an event sink or master call failed: keep writing
                 self._events("publish_failed", version=version, error=repr(e))
             finally:
+                if slot is not None:   # held until orbax committed (or gave up on) the version
+                    slot.release()
                 with self._cond:
                     self._writing = None
                     self._cond.notify_all()
+
+    def _newest_after_wait(self, version: int, tree: Any) -> tuple[int, Any]:
+        with self._cond:
+            if not self._queue:
+                return version, tree
+            newest, newest_tree, _ = self._queue.pop()
+            for old, _, _ in [(version, None, None)] + self._queue:
+                self._events("publish_superseded", version=old, by=newest)
+            self._queue.clear()
+            self._writing = newest
+        return newest, newest_tree
 
     def _write(self, version: int, tree: Any) -> None:
         import orbax.checkpoint as ocp
