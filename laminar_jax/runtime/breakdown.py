@@ -3,12 +3,13 @@
 The learner's timeline between the end of step k-1 and the end of step k is cut into
 
     rpc_gap      driver round trip: step k-1 returned, step k not yet started (minus checkpoint)
-    checkpoint   orbax checkpoint after step k-1 (it delays step k)
+    checkpoint   orbax checkpoint after step k-1 (it delays step k; it waits for a publish write
+                 in progress: one orbax save at a time per process, `orbax_saves`)
     wait_data    blocked in the data actor until the batch's groups were there
     batch        assembly of the padded batch + advantages (host)
     logprob      prox / ref log-prob recompute (learner compute)
     update       the optimizer update(s) (learner compute)
-    publish      cast + device-to-host copy of the weights (orbax writes the rest in the background)
+    publish      cast + device-to-host copy of the weights (a writer thread runs the orbax save)
     unaccounted  what is left: wall - the sum above (metrics, bookkeeping)
 
 While the learner waits, the rollouts decode or do something else. Their own split (mean over

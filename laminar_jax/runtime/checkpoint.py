@@ -11,6 +11,12 @@ commits in the background, by renaming its temporary folder to `<version>/`. Onl
 counts as a checkpoint: a watcher thread sees the rename and calls `on_commit` (the learner logs
 its "checkpoint" event then, never for a save a crash cut short), and `latest()` never returns an
 uncommitted one (temporary folders are skipped, and removed at the next start).
+
+Every save holds the process's orbax save slot (`laminar_jax.orbax_saves`) from before orbax's
+`save` until its commit: the publisher's writer thread saves weight versions in this process
+too, and two orbax saves at once in one process hang each other's commits. A commit thread waits
+for the save and gives the slot back, so `save()` still returns after the device-to-host copy
+(and after the publisher's write in progress, if any).
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
+
+from laminar_jax import orbax_saves
 
 
 def checkpoint_due(version: int, *, last_version: int, last_time: float, now: float, every: int,
@@ -60,20 +68,38 @@ class Checkpointer:
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._on_commit, self._poll_s = on_commit, poll_s
         self._watcher: threading.Thread | None = None
+        self._committer: threading.Thread | None = None   # holds the save slot until the commit
 
     def latest(self) -> int | None:
         return self._mgr.latest_step()
 
     def save(self, version: int, state: Any, meta: dict) -> None:
         """Starts an async save (orbax blocks only for the device-to-host copy, and for the
-        previous save if it is still writing)."""
-        self._mgr.save(version, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        previous save, or a weight version being published, if it is still writing)."""
+        slot = orbax_saves.acquire(f"checkpoint {version} of {self.directory}")
+        try:
+            self._mgr.save(version, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
+        except BaseException:
+            slot.release()
+            raise
+        self._committer = threading.Thread(target=self._release_on_commit, args=(slot,),
+                                           name=f"checkpoint-{version}-commit", daemon=True)
+        self._committer.start()
         with self._lock:
             self._pending.append((version, time.time()))
         if self._on_commit is not None and self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="checkpoint-commits", daemon=True)
             self._watcher.start()
+
+    def _release_on_commit(self, slot: orbax_saves.SaveSlot) -> None:
+        # A failed save also gives the slot back; `committed(wait=True)` raises its error.
+        try:
+            self._mgr.wait_until_finished()
+        except Exception:  # noqa: BLE001 - surfaced by committed(wait=True) / check_for_errors
+            pass
+        finally:
+            slot.release()
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s):
@@ -86,6 +112,9 @@ class Checkpointer:
         flight; one still missing then (a failed save) raises."""
         if wait:
             self._mgr.wait_until_finished()
+            committer = self._committer
+            if committer is not None:   # the slot is free again once this returns
+                committer.join()
             self._mgr.check_for_errors()
         with self._lock:
             latest = max((v for v, _ in self._pending), default=None)

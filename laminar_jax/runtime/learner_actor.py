@@ -9,10 +9,11 @@ One `step()` is one RL iteration (paper section 4: a version is one global batch
     K x      state <- train(state, mini-batch)
     mismatch metrics                           this version's log-probs from the train step's
                                               forward where it covers the batch (engine_metrics)
-    version += 1; publisher.publish(version, params)     orbax's async save (its synchronous
-                                              part blocks, 0.26-0.39 s per version under load)
+    version += 1; publisher.publish(version, params)     returns after the device-to-host copy;
+                                              a writer thread runs the orbax save
     checkpoint every run.checkpoint_every versions or run.checkpoint_every_s seconds (orbax,
-    async); its "checkpoint" event comes once orbax has committed it
+    async); its "checkpoint" event comes once orbax has committed it. It and the publisher's
+    writer take turns (`orbax_saves`: one orbax save and its commit at a time per process)
 """
 from __future__ import annotations
 

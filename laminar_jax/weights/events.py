@@ -8,7 +8,7 @@ events.jsonl (where "time" is the write time and "t" the moment the event happen
 
 Kinds used by the weights package:
   publish_start, publish_returned, publish_superseded, publish_written, publish_failed,
-  publish_stale, publish_announced          (learner side, `publish.Publisher`)
+  publish_announced                         (learner side, `publish.Publisher`)
   master_restored, chunk_rejected, chunk_lost, version_dropped, version_aborted,
   relay_received, relay_resend, store_pruned, publish_skipped, relay_error
                                             (relay side, `relay.RelayWorker`)

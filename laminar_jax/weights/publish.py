@@ -1,17 +1,27 @@
 """Publishing learner weights: orbax async saves into a versioned weight store (Laminar §4.2).
 
 The learner calls `Publisher.publish(version, params)` after each update and goes back to
-training. The call casts the params to the rollout dtype on their devices (sharding kept), then
-hands them to an orbax `AsyncCheckpointer`, whose `save` blocks only for the device-to-host copy;
-the file write runs in a background thread. When a write is finalized, the publisher tells the
-master relay `publish(version, path)`; the master restores, converts and broadcasts (relay.py).
+training. The call casts the params to the rollout dtype on their devices and copies them to host
+numpy (the next update donates their buffers); that is all it waits for. A writer thread then
+runs the orbax save (its synchronous part too: directory set-up, metadata, thread start, which
+blocked the step loop 0.26-0.39 s per version under load) and, once orbax has committed the
+version, tells the master relay `publish(version, path)`; the master restores, converts and
+broadcasts (relay.py).
 
 Superseding: relays need only the latest version, and the learner must never wait for a write.
-The publisher owns two checkpointer slots. A new version takes an idle slot; if both are busy, the
-younger of the two writes is cancelled (orbax `cancel()`, the slot gets a fresh checkpointer) and
-the new version takes its place. The older write is never cancelled, so some version always
-completes even when every write takes longer than a train step. A write that finishes after a
-newer one was already announced is deleted unannounced ("publish_stale").
+One writer thread writes one version at a time, in version order, so a write is never torn or
+overlapped by the next; a version still queued when a newer one arrives is dropped unwritten
+("publish_superseded"). The write in progress is never cancelled, so some version always
+completes even when every write takes longer than a train step. A failed write is reported
+("publish_failed") and the next version is written as usual. Several learner processes: every
+host saves every version in order (orbax's saves join cross-host barriers), in the step loop,
+after the previous write has finished.
+
+Each write holds the process's orbax save slot (`laminar_jax.orbax_saves`) from before orbax's
+`save` until its commit, and so does the learner's checkpoint: orbax numbers saves from a
+process-wide counter, and two saves at once in two threads of one process hang each other's
+commits (CI: the learner's checkpoint waited 300 s for a signalling key). A version waiting for
+the slot behind a checkpoint is replaced by a newer one queued meanwhile.
 
 Weight store: `root/v{version:010d}/` (orbax's own layout; orbax writes into a temporary folder
 and renames it when complete, so a `v...` folder is always whole). By default `root` is a fresh
@@ -33,6 +43,8 @@ import uuid
 from typing import Any, Callable
 
 import numpy as np
+
+from laminar_jax import orbax_saves
 
 __all__ = ["WeightStore", "Publisher", "read_path", "read_version", "prune_store"]
 
@@ -156,19 +168,6 @@ def prune_store(store: WeightStore, keep_from: int) -> list[int]:
     return _on_store_node(store, _prune, store, keep_from)
 
 
-@dataclasses.dataclass(eq=False)
-class _Write:
-    """One version being written by one checkpointer."""
-
-    version: int
-    checkpointer: Any
-    cancelled: bool = False
-    watcher: threading.Thread | None = None
-
-    def busy(self) -> bool:
-        return self.watcher is not None and self.watcher.is_alive()
-
-
 class Publisher:
     """Learner side of the weight path. One per learner process (every host of a multi-host
     learner makes the same calls; orbax writes each host's shards).
@@ -189,13 +188,16 @@ class Publisher:
         self.store = store
         self.dtype = str(jnp.dtype(dtype))
         self._events = events or (lambda kind, **fields: None)
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._master = master
-        # Two slots: a checkpointer each and the write it is doing (None when never used).
-        self._checkpointers = [self._new_checkpointer() for _ in range(2)]
-        self._writes: list[_Write | None] = [None, None]
-        self._watchers: list[threading.Thread] = []   # every write's, cancelled ones included
-        self._cancelled: set[int] = set()
+        # One checkpointer, used by the writer thread only: one write at a time, in version order
+        self._checkpointer = self._new_checkpointer()
+        # (version, host tree | None, save slot | None) not started yet; multi-process jobs were
+        # started in the step loop, holding the process's orbax save slot
+        self._queue: list[tuple[int, Any, Any]] = []
+        self._writing: int | None = None
+        self._closed = False
+        self._writer: threading.Thread | None = None
         self._last_published: int | None = None
         self._latest_written: int | None = None
         # One process announces and cleans the store; every process must take the same decisions.
@@ -213,7 +215,7 @@ class Publisher:
     @property
     def latest_written(self) -> int | None:
         """Newest version whose write is complete in the store."""
-        with self._lock:
+        with self._cond:
             return self._latest_written
 
     def publish(self, version: int, params: Any) -> None:
@@ -223,85 +225,98 @@ class Publisher:
         if self._last_published is not None and version <= self._last_published:
             raise ValueError(f"Publisher.publish: version {version} is not newer than the last "
                              f"published version {self._last_published}")
+        import jax
         import orbax.checkpoint as ocp
 
         start = time.perf_counter()
         self._events("publish_start", version=version)
         tree = params.to_pure_dict() if hasattr(params, "to_pure_dict") else params
         cast = self._cast(tree)
-        slot = self._free_slot(version)
-        write = _Write(version, self._checkpointers[slot])
-        self._writes[slot] = write
-        # Blocks for the device-to-host copy only; the write continues in orbax's thread.
-        write.checkpointer.save(self.store.path(version), args=ocp.args.PyTreeSave(cast))
-        write.watcher = threading.Thread(target=self._finish, args=(write,),
-                                         name=f"publish-v{version}", daemon=True)
-        write.watcher.start()
-        self._watchers = [w for w in self._watchers if w.is_alive()] + [write.watcher]
+        if self._multi_process:
+            # Every host's orbax save joins cross-host barriers, so all hosts save every version
+            # in the same order, here, once the writer thread has finished waiting for the
+            # previous one (orbax's checkpointer is not for two threads at once).
+            self.wait_until_written()
+            slot = orbax_saves.acquire(f"publish v{version} to {self.store.root}")
+            try:
+                self._checkpointer.save(self.store.path(version), args=ocp.args.PyTreeSave(cast))
+            except BaseException:
+                slot.release()
+                raise
+            job = (version, None, slot)
+        else:
+            # The device-to-host copy, owned by numpy: the next update donates (reuses) the
+            # params' buffers, and the cast can return them unchanged (same dtype).
+            job = (version, jax.tree.map(np.array, cast), None)
+        with self._cond:
+            if not self._multi_process:   # relays need only the newest: drop unstarted ones
+                for old, _, _ in self._queue:
+                    self._events("publish_superseded", version=old, by=version)
+                self._queue.clear()
+            self._queue.append(job)
+            self._cond.notify_all()
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="publish-writer", daemon=True)
+                self._writer.start()
         self._last_published = version
         self._events("publish_returned", version=version, blocked_s=time.perf_counter() - start)
 
-    def _free_slot(self, version: int) -> int:
-        busy = _agree([w is not None and w.busy() for w in self._writes])
-        if not all(busy):
-            return busy.index(False)
-        # Both writes still running: cancel the younger one; the older keeps going, so some
-        # write always completes.
-        slot = max(range(2), key=lambda i: self._writes[i].version)
-        victim = self._writes[slot]
-        victim.cancelled = True
-        # A finished write needs no cancel (orbax then warns from a closed event loop), but only
-        # a single process may skip it: the others could not know.
-        if self._multi_process or not os.path.isdir(self.store.path(victim.version)):
-            victim.checkpointer.cancel()
-        self._checkpointers[slot] = self._new_checkpointer()
-        self._events("publish_superseded", version=victim.version, by=version)
-        return slot
-
-    def _finish(self, write: _Write) -> None:
-        """Watcher thread: waits for the write, then announces it (or cleans up)."""
-        version = write.version
-        try:
-            write.checkpointer.wait_until_finished()
-        except Exception as e:  # noqa: BLE001 - surfaced as an event; the learner keeps going
-            if not write.cancelled:
+    def _write_loop(self) -> None:
+        """Writer thread: the orbax save of each queued version, then its announcement."""
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                version, tree, slot = self._queue.pop(0)
+                self._writing = version
+            try:
+                if slot is None:
+                    # One orbax save at a time in this process (the learner's checkpoint may be
+                    # committing); a version queued meanwhile is newer: write that one instead.
+                    slot = orbax_saves.acquire(f"publish v{version} to {self.store.root}")
+                    version, tree = self._newest_after_wait(version, tree)
+                self._write(version, tree)
+            except Exception as e:  # noqa: BLE001 - an event sink or master call failed: keep writing
                 self._events("publish_failed", version=version, error=repr(e))
-        if write.cancelled or not os.path.isdir(self.store.path(version)):
-            if write.cancelled:   # its checkpointer was replaced: release its threads now
-                try:
-                    write.checkpointer.close()
-                except Exception:  # noqa: BLE001 - a cancelled write may fail to close cleanly
-                    pass
+            finally:
+                if slot is not None:   # held until orbax committed (or gave up on) the version
+                    slot.release()
+                with self._cond:
+                    self._writing = None
+                    self._cond.notify_all()
+
+    def _newest_after_wait(self, version: int, tree: Any) -> tuple[int, Any]:
+        with self._cond:
+            if not self._queue:
+                return version, tree
+            newest, newest_tree, _ = self._queue.pop()
+            for old, _, _ in [(version, None, None)] + self._queue:
+                self._events("publish_superseded", version=old, by=newest)
+            self._queue.clear()
+            self._writing = newest
+        return newest, newest_tree
+
+    def _write(self, version: int, tree: Any) -> None:
+        import orbax.checkpoint as ocp
+
+        path = self.store.path(version)
+        try:
+            if tree is not None:
+                self._checkpointer.save(path, args=ocp.args.PyTreeSave(tree))
+            self._checkpointer.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - surfaced as an event; the learner keeps going
+            self._events("publish_failed", version=version, error=repr(e))
+        if not os.path.isdir(path):   # failed: orbax's temporary folder goes, nothing is announced
             if self._primary:
                 self.store.delete(version, temporary=True)
-            with self._lock:
-                self._cancelled.add(version)   # swept again once a newer version lands
             return
-        with self._lock:
-            stale = self._latest_written is not None and version < self._latest_written
-            if not stale:
-                self._latest_written = version
+        with self._cond:
+            self._latest_written = version
             master = self._master
-            newest = self._latest_written
-        if stale:
-            if self._primary:
-                self.store.delete(version)
-            self._events("publish_stale", version=version, newer=newest)
-            return
-        self._events("publish_written", version=version, path=self.store.path(version))
-        self._clean_cancelled(below=version)
+        self._events("publish_written", version=version, path=path)
         self._announce(master, version)
-
-    def _clean_cancelled(self, below: int | None = None) -> None:
-        # A cancelled orbax write can leave (or re-create, from its background threads) an empty
-        # temporary folder after its watcher cleaned up; sweep them when a newer version lands.
-        if not self._primary:
-            return
-        with self._lock:
-            done = {v for v in self._cancelled if below is None or v < below}
-            self._cancelled -= done
-        for v in done:
-            self.store.delete(v, temporary=True)
 
     def _announce(self, master: Any, version: int) -> None:
         if master is None or not self._primary:
@@ -311,34 +326,30 @@ class Publisher:
 
     def set_master(self, master: Any) -> None:
         """Points the publisher at a (new) master relay and re-announces the newest version."""
-        with self._lock:
+        with self._cond:
             self._master = master
             latest = self._latest_written
         if latest is not None and os.path.isdir(self.store.path(latest)):
             self._announce(master, latest)
 
     def wait_until_written(self, timeout_s: float = WRITE_TIMEOUT_S) -> None:
-        """Blocks until every write in flight is complete and announced (tests, shutdown);
+        """Blocks until every queued write is complete and announced (tests, shutdown);
         TimeoutError naming the version when one takes longer than `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        for watcher in list(self._watchers):
-            watcher.join(max(0.0, deadline - time.monotonic()))
-            if watcher.is_alive():
-                raise TimeoutError(f"Publisher: {watcher.name} still writing to {self.store.root} "
-                                   f"after {timeout_s:.0f} s")
+        with self._cond:
+            while self._queue or self._writing is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    stuck = self._writing if self._writing is not None else self._queue[0][0]
+                    raise TimeoutError(f"Publisher: publish-v{stuck} still writing to {self.store.root} "
+                                       f"after {timeout_s:.0f} s")
+                self._cond.wait(left)
 
     def close(self) -> None:
         self.wait_until_written()
-        self._clean_cancelled()
-        for checkpointer in self._checkpointers:
-            checkpointer.close()
-
-
-def _agree(flags: list[bool]) -> list[bool]:
-    """Slot-busy flags agreed by every learner process, so all hosts pick the same slot."""
-    import jax
-    if jax.process_count() == 1:
-        return flags
-    from jax.experimental import multihost_utils
-    gathered = multihost_utils.process_allgather(np.asarray(flags, np.int32))
-    return [bool(x) for x in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0)]
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(WRITE_TIMEOUT_S)
+        self._checkpointer.close()
