@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from laminar_jax.weights import flat, master, shared_buffer, stream
+from laminar_jax.weights import flat, host_shards, master, shared_buffer, stream
 from laminar_jax.weights.events import record
 from laminar_jax.weights.relay_links import Downstream
 from laminar_jax.weights.relay_state import Arrival, Served, Versions
@@ -313,8 +313,13 @@ class RelayWorker:
             shared.append(self._pool.take(nbytes, populate=False))
             return shared[-1].array
 
-        manifest, buffer, timings = master.prepare(
-            role, version, path, allocate=None if self._pool is None else allocate)
+        try:
+            manifest, buffer, timings = master.prepare(
+                role, version, path, allocate=None if self._pool is None else allocate)
+        except host_shards.ShardError as e:   # a learner host's shards missing or torn: not served
+            self._log("publish_incomplete", version=version, host=getattr(e, "host", None),
+                      tensor=getattr(e, "tensor", None), error=str(e))
+            return
         self._warm = True
         source = shared[0] if shared else None
         self._log("master_restored", version=version, bytes=int(buffer.size),
