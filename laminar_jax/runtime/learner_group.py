@@ -54,13 +54,17 @@ def devices_per_host(cfg: Any) -> int:
         check_mesh(m, hosts=hosts, local_devices=local)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    lc = cfg.learner
-    if lc.global_batch_groups % (hosts * lc.mini_batches):
-        # each host takes whole groups of every mini-batch (its slice of the batch)
-        raise ConfigError(f"learner.global_batch_groups={lc.global_batch_groups} does not split into "
-                          f"learner.mini_batches={lc.mini_batches} x learner.hosts={hosts} equal parts of "
-                          f"whole groups")
     return local
+
+
+def check_batch(cfg: Any) -> None:
+    """Each host takes whole groups of every mini-batch (its slice of the batch): a ConfigError
+    naming learner.global_batch_groups, learner.mini_batches and learner.hosts otherwise."""
+    lc = cfg.learner
+    if lc.global_batch_groups % (lc.hosts * lc.mini_batches):
+        raise ConfigError(f"learner.global_batch_groups={lc.global_batch_groups} does not split into "
+                          f"learner.mini_batches={lc.mini_batches} x learner.hosts={lc.hosts} equal parts of "
+                          f"whole groups")
 
 
 def bundles(cfg: Any, kind: str | None) -> list[dict]:
@@ -71,8 +75,9 @@ def bundles(cfg: Any, kind: str | None) -> list[dict]:
 
 
 def check(cfg: Any, kind: str | None) -> None:
-    """Before any worker starts: the mesh divides over the hosts and the cluster can place one
-    bundle per host (each bundle on one node); ClusterError otherwise."""
+    """Before any worker starts: the mesh divides over the hosts, the cluster can place one
+    bundle per host (each bundle on one node; ClusterError otherwise) and the batch splits into
+    whole groups per host (`check_batch`)."""
     from laminar_jax.runtime.cluster import ClusterError
     hosts = cfg.learner.hosts
     if hosts == 1:
@@ -83,6 +88,7 @@ def check(cfg: Any, kind: str | None) -> None:
     if fits < hosts:
         raise ClusterError(f"learner.hosts={hosts}: each learner host needs {amount:g} {res} on one node, and the "
                            f"Ray cluster can place only {fits} such hosts; lower learner.hosts or add nodes")
+    check_batch(cfg)
 
 
 def _pick_port(host: str) -> str:

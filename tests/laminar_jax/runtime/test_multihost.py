@@ -46,7 +46,7 @@ def test_hosts_the_cluster_cannot_place_or_a_mesh_that_does_not_split_fail_befor
     cfg = countdown_config(str(tmp_path), "groups", model, **TWO_HOSTS, **{"learner.global_batch_groups": 6,
                                                                            "learner.mini_batches": 2})
     with pytest.raises(ConfigError, match=r"learner.global_batch_groups=6 .* learner.mini_batches=2 x learner.hosts=2"):
-        learner_group.devices_per_host(cfg)
+        driver.run(cfg, quiet=True)
     assert _actors() == before, "an actor was started before the error"
 
 
