@@ -80,6 +80,13 @@ def test_two_host_train_learns_then_a_dead_host_stops_it_and_one_host_resumes(cl
     traj = crashed.trajectories
     gain = reward_gain(traj.assign(n=traj.prompt_id.map(n_of)), strata="n")
     assert gain["gain"] > MIN_GAIN, gain   # two hosts learn
+    # each host trained on its own part: the leader's step counts and logs both hosts' trajectories
+    batch = cfg.learner.global_batch_groups * cfg.data.group_size
+    assert (m["consumed_trajectories"] == batch).all() and len(traj) == batch * len(m)
+    # the per-host publishes (weights/host_shards.py) were complete and served
+    ev = crashed.events
+    assert not ev.kind.isin(["publish_failed", "publish_incomplete"]).any()
+    assert (ev.kind == "master_restored").sum() >= killed["step"] // 2
     latest = run_folder.checkpoints(str(run_dir))[-1]
     assert latest == 20
 
