@@ -10,8 +10,8 @@ One version in the weight store:
                                  "index": [[start, stop], ...], "offset", "nbytes", "crc32"}]}
     v{version:010d}/             host 0 renames the folder once every host's manifest is in
 
-A host writes the shards it holds with `replica_id == 0` (a replicated tensor is written once, by
-the host of its first replica), so the hosts' pieces tile every tensor exactly once. `assemble`
+Each distinct shard of a tensor is written by exactly one of the hosts holding it (in turn, so a
+replicated tensor's bytes spread over the hosts), so the hosts' pieces tile every tensor once. `assemble`
 reads the manifests, checks that every host's is there and agrees on the host count, checks each
 piece's length and crc32 and that the pieces cover each tensor, and returns the host numpy tree
 (the same tree `publish._restore_numpy` gives for an orbax checkpoint). Any failure is a
@@ -91,25 +91,39 @@ def _name(path: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _index(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(index, shape))
+
+
 def host_pieces(tree: Any) -> list[Piece]:
-    """This process's pieces of a tree of (global) jax arrays, copied to host memory: its
-    addressable shards with replica_id 0. Plain numpy leaves are process 0's alone."""
+    """This process's pieces of a tree of (global) jax arrays, copied to host memory. Each
+    distinct shard of a tensor is written by one of the processes that hold it, taken in turn
+    (the k-th distinct shard of the tree by the (k mod n)-th of its n holders), so replicated
+    tensors spread their bytes over the hosts; every process derives the same choice from the
+    shardings alone. Plain numpy leaves are process 0's alone."""
     import jax
 
-    pieces = []
+    me, pieces, k = jax.process_index(), [], 0
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = _name(path)
         if not isinstance(x, jax.Array):
-            if jax.process_index() == 0:
+            if me == 0:
                 x = np.asarray(x)
                 pieces.append(Piece(name, x.shape, x.dtype.name, tuple((0, n) for n in x.shape), x))
             continue
         shape = tuple(int(n) for n in x.shape)
+        holders: dict[tuple, set] = {}
+        for device, index in x.sharding.devices_indices_map(shape).items():
+            holders.setdefault(_index(index, shape), set()).add(device.process_index)
+        local = {}
         for s in x.addressable_shards:
-            if s.replica_id != 0:
-                continue
-            index = tuple((sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(s.index, shape))
-            pieces.append(Piece(name, shape, np.dtype(x.dtype).name, index, np.asarray(s.data)))
+            local.setdefault(_index(s.index, shape), s)
+        for key in sorted(holders):
+            procs = sorted(holders[key])
+            owner = procs[k % len(procs)]
+            k += 1
+            if owner == me:
+                pieces.append(Piece(name, shape, np.dtype(x.dtype).name, key, np.asarray(local[key].data)))
     return pieces
 
 
