@@ -3,8 +3,10 @@ devices against 2 hosts x 4 (jax.distributed, gloo collectives over loopback), s
 (data, fsdp, tensor) = (4, 2, 1), same model and batches.
 
 Per configuration: the median wall time of a train step (after 2 warm-up steps) and, per host,
-the time a publish blocks the learner (device-to-host copy) and the time until its orbax write
-is complete (each host writes its own shards). Both configurations share the machine's cores;
+the time a publish blocks the learner (device-to-host copy), the time until the version is
+complete, and the bytes the host wrote. One host: orbax. Two hosts: each writes only its own
+shards and a crc32 manifest (weights/host_shards.py, no gather to host 0); a host's version is
+complete once host 0 has seen every host's manifest and finalized the folder. Both configurations share the machine's cores;
 on CPU the cross-process all-reduces go through gloo over TCP, so 2 hosts are expected to be
 slower here: the point of several hosts is memory (a model that does not fit one), not speed.
 
@@ -57,8 +59,9 @@ def worker(processes: int, pid: int, coordinator: str, out: str, steps: int, pre
     state, times = setup.state, []
     for step in range(steps + 2):
         t0 = time.perf_counter()
-        state, _ = fns.train(state, dist.put_batch(rl_step.train_inputs(cfg, _batch(cfg.model.vocab_size, step)),
-                                                   setup.mesh))
+        # each host builds only its rows (the normaliser is summed over the hosts)
+        mine = rl_step.train_inputs(cfg, dist.local_part(_batch(cfg.model.vocab_size, step)))
+        state, _ = fns.train(state, dist.global_arrays(mine, setup.mesh))
         times.append(time.perf_counter() - t0)   # metrics on the host: the step has finished
     store = WeightStore.local(os.path.join(os.path.dirname(out), f"store-{processes}"))
     pub = Publisher(store, dtype="bfloat16")
@@ -70,6 +73,10 @@ def worker(processes: int, pid: int, coordinator: str, out: str, steps: int, pre
         pub.wait_until_written()
         publish.append({"blocked_s": blocked, "written_s": time.perf_counter() - t0})
     pub.close()
+    from laminar_jax.weights import host_shards
+    final = store.path(2)   # bytes this host wrote: its own shards (several hosts), or the orbax folder
+    publish[-1]["bytes"] = (os.path.getsize(host_shards.data_path(final, pid)) if processes > 1 else
+                            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs))
     with open(f"{out}.{pid}", "w") as f:
         json.dump({"step_s": times[2:], "publish": publish[-1], "params": setup.sharded.num_params(),
                    "local_devices": jax.local_device_count()}, f)
@@ -103,12 +110,15 @@ def main() -> None:
             rows.append({"hosts": hosts, "devices_per_host": devices, "params": res[0]["params"],
                          "step_s_median": float(np.median([s for r in res for s in r["step_s"]])),
                          "publish_blocked_s": [r["publish"]["blocked_s"] for r in res],
-                         "publish_written_s": [r["publish"]["written_s"] for r in res]})
-    print(f"{'hosts':>5} {'dev/host':>8} {'step s':>8} {'publish blocked s (per host)':>30} {'written s (per host)':>24}")
+                         "publish_written_s": [r["publish"]["written_s"] for r in res],
+                         "publish_bytes": [r["publish"]["bytes"] for r in res]})
+    print(f"{'hosts':>5} {'dev/host':>8} {'step s':>8} {'publish blocked s (per host)':>30} "
+          f"{'written s (per host)':>24} {'MB written (per host)':>24}")
     for r in rows:
         print(f"{r['hosts']:>5} {r['devices_per_host']:>8} {r['step_s_median']:>8.3f} "
               f"{' '.join(f'{x:.3f}' for x in r['publish_blocked_s']):>30} "
-              f"{' '.join(f'{x:.3f}' for x in r['publish_written_s']):>24}")
+              f"{' '.join(f'{x:.3f}' for x in r['publish_written_s']):>24} "
+              f"{' '.join(f'{x / 2**20:.2f}' for x in r['publish_bytes']):>24}")
     ratio = rows[1]["step_s_median"] / rows[0]["step_s_median"]
     print(f"2 hosts / 1 host step time: {ratio:.2f}x (CPU; gloo over loopback); load average {os.getloadavg()[0]:.1f}")
     os.makedirs(os.path.join(ROOT, "experiments", "results"), exist_ok=True)

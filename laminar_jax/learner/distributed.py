@@ -164,22 +164,3 @@ def allgather(x: Any) -> np.ndarray:
 
 def sum_over_hosts(x: Any) -> np.ndarray:
     return allgather(x).sum(axis=0)
-
-
-def put_batch(batch: Any, mesh: jax.sharding.Mesh, rules: shd.Rules = shd.DEFAULT_RULES) -> Any:
-    """A host-side global batch (the same on every host) onto the mesh: each process puts only
-    its own rows (``local_part`` + ``global_arrays``); one process: ``sharding.shard_batch``."""
-    if jax.process_count() == 1:
-        return shd.shard_batch(batch, mesh, rules)
-    return global_arrays(local_part(batch), mesh, rules)
-
-
-def gather(x: Any) -> np.ndarray:
-    """The whole value of a (possibly multi-host) array on this host: an all-gather across
-    processes when part of it lives on other hosts (a collective: every process calls it)."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(x)
-    if x.is_fully_replicated:
-        return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -22,7 +22,8 @@ present) remain, as [R, max_seq_len] with segment ids 1..k inside each row.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -74,14 +75,20 @@ def bucket_len(n: int, *, max_len: int, min_len: int = 16) -> int:
 
 
 def assemble(groups: Sequence[Sequence[Trajectory]], *, learner_version: int, max_seq_len: int,
-             min_len: int = 16, pad_id: int = 0, rows: int | None = None) -> dict[str, np.ndarray]:
+             min_len: int = 16, pad_id: int = 0, rows: int | None = None,
+             length: int | None = None) -> dict[str, np.ndarray]:
     """Arrays of the module docstring for whole groups (group i's trajectories get group id i);
-    `rows` pads the batch with empty rows (valid 0) up to a fixed row count."""
+    `rows` pads the batch with empty rows (valid 0) up to a fixed row count. `length` fixes the
+    row length (the hosts of a multi-host learner agree on one); with it and `rows`, no groups
+    give a batch of padding rows only."""
     trajs = [(gi, t) for gi, group in enumerate(groups) for t in group]
-    if not trajs:
+    if not trajs and not (rows and length):
         raise ValueError("batch.assemble: no trajectories")
     lengths = [t.prompt_tokens.shape[0] + t.num_tokens for _, t in trajs]
-    length = bucket_len(max(lengths), max_len=max_seq_len, min_len=min_len)
+    if length is None:
+        length = bucket_len(max(lengths), max_len=max_seq_len, min_len=min_len)
+    elif lengths and max(lengths) > length:
+        raise ValueError(f"batch.assemble: length={length} is shorter than a trajectory of {max(lengths)} tokens")
     b = max(len(trajs), rows or 0)
     out = {
         "tokens": np.full((b, length), pad_id, np.int32),
@@ -108,7 +115,7 @@ def assemble(groups: Sequence[Sequence[Trajectory]], *, learner_version: int, ma
         out["group_ids"][row] = gi
         out["response_len"][row] = t.num_tokens
         out["valid"][row] = 1.0
-    out["group_ids"][len(trajs):] = len(groups) - 1  # padding rows: any group, valid 0
+    out["group_ids"][len(trajs):] = max(len(groups) - 1, 0)  # padding rows: any group, valid 0
     return out
 
 
@@ -131,9 +138,11 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
-def pack(batch: dict[str, np.ndarray], *, max_seq_len: int, row_multiple: int = 1) -> dict[str, np.ndarray]:
+def pack(batch: dict[str, np.ndarray], *, max_seq_len: int, row_multiple: int = 1,
+         min_rows: int = 0) -> dict[str, np.ndarray]:
     """The per-token arrays of an assembled (unpacked) batch, packed first-fit-decreasing into
-    rows of `max_seq_len`; the row count is the smallest of `row_buckets` that holds them. Each
+    rows of `max_seq_len`; the row count is the smallest of `row_buckets` that holds them (and
+    at least `min_rows`: the hosts of a multi-host learner agree on one). Each
     trajectory keeps its tokens, positions and per-token values; its segment id is its slot in
     the row (1..k). Padding rows of the input (valid 0) are left out."""
     n_rows = batch["tokens"].shape[0]
@@ -141,7 +150,7 @@ def pack(batch: dict[str, np.ndarray], *, max_seq_len: int, row_multiple: int = 
     lengths = (batch["segment_ids"] != 0).sum(axis=1)
     items = [i for i in range(n_rows) if valid[i] and lengths[i] > 0]
     bins = first_fit_decreasing([int(lengths[i]) for i in items], max_seq_len)
-    rows = next(r for r in row_buckets(n_rows, row_multiple) if r >= len(bins))
+    rows = next(r for r in row_buckets(n_rows, row_multiple) if r >= max(len(bins), min_rows))
     keys = [k for k in TOKEN_KEYS if k in batch]
     out = {k: np.zeros((rows, max_seq_len), batch[k].dtype) for k in keys}
     for r, members in enumerate(bins):
@@ -181,3 +190,23 @@ def staleness_stats(groups: Sequence[Sequence[Trajectory]], learner_version: int
     return {"staleness_mean": float(s.mean()), "staleness_max": float(s.max()), "staleness_min": float(s.min()),
             **{f"staleness_frac_{k}": float(np.mean(s == k)) for k in range(4)},
             "staleness_frac_4plus": float(np.mean(s >= 4)), "mixed_version_frac": float(mixed)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryStats:
+    """What a step's metrics read of one consumed trajectory (`staleness_stats`, the tool and
+    reward metrics): a multi-host learner's hosts send these to the leader, not the trajectory."""
+
+    reward: float
+    num_tokens: int
+    oldest_version: int
+    mixed_versions: bool
+    turn_stats: Mapping[str, float]
+
+    @classmethod
+    def of(cls, t: Trajectory) -> "TrajectoryStats":
+        return cls(reward=float(t.reward), num_tokens=t.num_tokens, oldest_version=t.oldest_version,
+                   mixed_versions=bool(t.mixed_versions), turn_stats=dict(t.turn_stats))
+
+    def staleness(self, learner_version: int) -> int:
+        return int(learner_version) - self.oldest_version

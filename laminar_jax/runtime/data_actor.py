@@ -67,9 +67,19 @@ def _serialised(cls):
                 return out
         return locked
     for name, fn in list(vars(cls).items()):
-        if callable(fn) and not name.startswith("_") and name != "wait_sample":
+        if callable(fn) and not name.startswith("_") and name not in ("wait_sample", "wait_sample_hosts"):
             setattr(cls, name, wrap(fn))
     return cls
+
+
+def host_parts(groups: list, hosts: int) -> list[list]:
+    """The sampled groups split by learner host: host p gets the p-th contiguous equal part
+    (whole groups, so per-group advantages stay on one host)."""
+    if hosts < 1 or len(groups) % hosts:
+        raise ValueError(f"{len(groups)} groups do not split over learner.hosts={hosts} "
+                         f"(learner.global_batch_groups / learner.mini_batches must divide by it)")
+    per = len(groups) // hosts
+    return [list(groups[h * per:(h + 1) * per]) for h in range(hosts)]
 
 
 @_serialised
@@ -103,6 +113,7 @@ class DataActor:
         self.learner_version = 0
         self.rejected: list[str] = []
         self.last_progress = time.time()   # a delivery, rejection or streamed partial (liveness)
+        self._ticket, self._host_parts = 0, {}   # ticket -> {host: groups} (learner.hosts > 1)
 
     # ------------------------------------------------------------------ rollouts
     def issue(self, n: int, rollout_id: str, weight_version: int) -> list[PromptGroup]:
@@ -190,6 +201,32 @@ class DataActor:
                 if groups or left <= 0:
                     return groups
                 self._cond.wait(left)
+
+    @ray.method(concurrency_group="wait")
+    def wait_sample_hosts(self, num_groups: int, learner_version: int, batch_index: int | None = None,
+                          timeout_s: float = 1.0, hosts: int = 1) -> tuple[int, list] | None:
+        """`wait_sample` for a learner over `hosts` hosts: samples the global batch, keeps every
+        host's part (`host_parts`) and returns (ticket, host 0's part); the other hosts take
+        theirs with `host_part(ticket, host)`. None after `timeout_s`."""
+        groups = self.wait_sample(num_groups, learner_version, batch_index, timeout_s)
+        if not groups:
+            return None
+        parts = host_parts(groups, hosts)
+        with self._cond:
+            self._ticket += 1
+            self._host_parts[self._ticket] = {h: parts[h] for h in range(1, hosts)}
+            return self._ticket, parts[0]
+
+    def host_part(self, ticket: int, host: int) -> list[list[Trajectory]]:
+        """Host `host`'s groups of the global batch `ticket` (each part is handed out once)."""
+        parts = self._host_parts.get(ticket)
+        if parts is None or host not in parts:
+            raise KeyError(f"data actor: no part of batch {ticket} for learner host {host} "
+                           f"(pending batches {sorted(self._host_parts)})")
+        out = parts.pop(host)
+        if not parts:
+            del self._host_parts[ticket]
+        return out
 
     def set_learner_version(self, version: int) -> None:
         self.learner_version = max(self.learner_version, int(version))

@@ -29,7 +29,7 @@ from laminar_jax.env.metrics import tool_step_metrics
 from laminar_jax.manager import modes
 from laminar_jax.metrics import exact_rate
 from laminar_jax.runtime import batch as B
-from laminar_jax.runtime import breakdown, compile_cache
+from laminar_jax.runtime import breakdown, compile_cache, host_batch
 from laminar_jax.runtime import engine_metrics
 # rl_step and checkpoint (jax, flax, orbax) are imported in the actor's __init__: the driver
 # imports this module only for the class, and skipping them there saves it seconds of start-up
@@ -78,7 +78,7 @@ class Learner:
         if host is not None:
             from laminar_jax.learner.distributed import initialize
             initialize(host[2], num_processes=host[1], process_id=host[0])
-        self.process = 0 if host is None else host[0]
+        self.process, self.hosts = (0, 1) if host is None else (host[0], host[1])
         self._mirror, self._follower = learner_group.Mirror(followers), learner_group.Follower()
 
         from laminar_jax import sharding as shd
@@ -191,13 +191,18 @@ class Learner:
         if self._closing.is_set():
             raise LearnerClosed(f"learner at version {self.version}: closing, the step ends here")
 
-    def follow(self, seq: int, version: int, op: str, args: tuple) -> None:
-        """A follower host: the leader's collective call number `seq`, run in the leader's order."""
+    def follow(self, seq: int, version: int, op: str, args: tuple) -> tuple | None:
+        """A follower host: the leader's collective call number `seq`, run in the leader's order;
+        an update returns (metrics, trajectory rows, TrajectoryStats) of this host's part."""
+        out = {}
+
         def run():
             self.version = version
-            if op == "update":
+            if op == "update":   # (ticket, mini-batches): this host's part comes from the data actor
                 self._times = breakdown.Stopwatch()
-                self._update(*args)
+                ticket, mini_batches = args
+                groups = ray.get(self.data.host_part.remote(ticket, self.process), timeout=SAMPLE_WAIT_S + 60)
+                out["update"] = self._update(groups, mini_batches)
             elif op == "publish":
                 self.publisher.publish(version, self.state.params)
             elif op == "save":
@@ -210,34 +215,46 @@ class Learner:
         self._follower.run(seq, run)
         with self._lock:   # the leader reports the step's events; a follower's would only pile up
             self._events.clear()
+        return out.get("update")
 
     def num_params(self) -> int:
         return self.setup.sharded.num_params()
 
     # ------------------------------------------------------------------ one iteration
-    def _collect(self, num_groups: int) -> tuple[list, float]:
-        """Wait for `num_groups` whole groups; returns them and the seconds spent waiting."""
+    def _collect(self, num_groups: int) -> tuple[list, Any, float]:
+        """Wait for `num_groups` whole groups; returns this host's part of them, the ticket the
+        other learner hosts take theirs with (None: one host) and the seconds spent waiting."""
         start = self._waiting_since = time.time()
         batch_index = self.version if modes.uses_global_batches(self.mode) else None
         while True:
             # blocks in the data actor until the groups are there; here, close() is looked for
-            ref = self.data.wait_sample.remote(num_groups, self.version, batch_index, SAMPLE_WAIT_S)
+            if self.hosts > 1:
+                ref = self.data.wait_sample_hosts.remote(num_groups, self.version, batch_index,
+                                                         SAMPLE_WAIT_S, self.hosts)
+            else:
+                ref = self.data.wait_sample.remote(num_groups, self.version, batch_index, SAMPLE_WAIT_S)
             deadline = time.monotonic() + SAMPLE_WAIT_S + 60
             while not ray.wait([ref], timeout=CLOSE_POLL_S)[0]:
                 self._check_open()
                 if time.monotonic() > deadline:
                     raise ray.exceptions.GetTimeoutError(
                         f"learner: data.wait_sample gave no answer within {SAMPLE_WAIT_S + 60:.0f} s")
-            groups = ray.get(ref)
+            got = ray.get(ref)
+            if self.hosts > 1:
+                ticket, groups = got if got is not None else (None, [])
+            else:
+                ticket, groups = None, got
             if groups:
                 self._waiting_since = None
-                return groups, time.time() - start
+                return groups, ticket, time.time() - start
             if time.time() - start > STALL_TIMEOUT_S:
                 raise RuntimeError(f"learner: no {num_groups} groups for version {self.version} after "
                                    f"{STALL_TIMEOUT_S:.0f} s; rollouts dead or stalled "
                                    f"(accounting {ray.get(self.data.accounting.remote(), timeout=60)})")
 
-    def _update(self, groups: list, mini_batches: int) -> tuple[dict, list[dict]]:
+    def _update(self, groups: list, mini_batches: int) -> tuple[dict, list[dict], list]:
+        """One update on this host's groups (all of them with one host); returns its metrics,
+        trajectory log rows and `batch.TrajectoryStats`."""
         from laminar_jax.learner.train_step import NonFiniteLossError
 
         clock = time.perf_counter()
@@ -248,11 +265,12 @@ class Learner:
         if rejected:  # counted and reported, never cut
             self.rejected_too_long += rejected
             self._event("rejected_too_long", version=self.version, count=rejected, max_seq_len=lc.max_seq_len)
-        if not groups:
-            raise ValueError(f"learner.max_seq_len={lc.max_seq_len}: every trajectory of the batch is longer")
+        min_len = min(lc.min_bucket, lc.max_seq_len)
+        # learner.hosts > 1: the hosts agree on the row length and number their groups globally
+        plan = host_batch.plan(groups, max_seq_len=lc.max_seq_len, min_len=min_len)
         batch = B.assemble(groups, learner_version=self.version, max_seq_len=lc.max_seq_len,
-                           min_len=min(lc.min_bucket, lc.max_seq_len), rows=rows)
-        batch["advantages"], metrics = self.fns.advantages(batch, len(groups))
+                           min_len=min_len, rows=rows, length=plan.length)
+        batch["advantages"], metrics = host_batch.advantages(self.fns.advantages, batch, plan)
         clock = self._times.add("batch_s", clock)
         # the learner's log-probs at this version: the engines' mismatch metrics, and prox_logp
         # when the anchor is this version's weights (packing carries it into the rows); taken
@@ -260,13 +278,14 @@ class Learner:
         from_step = self._logp_from_step and mini_batches == 1
         learner_logp = None if from_step else self.fns.logprobs(self.state.params, batch)
         stale = set(np.unique(batch["staleness"][batch["response_mask"] > 0]).astype(int).tolist())
-        past_logp = {self.version - v: self.fns.logprobs(p, batch)   # only versions with tokens
-                     for v, p in self._past_params.items() if self.version - v in stale}
+        past = list(self._past_params.items())   # only versions with tokens (on any host)
+        need = host_batch.any_host([self.version - v in stale for v, _ in past])
+        past_logp = {self.version - v: self.fns.logprobs(p, batch) for (v, p), n in zip(past, need) if n}
         self._keep_params_for_mismatch()
         if self.fns.needs_prox and not self.cfg.loss.needs_ewma:
             batch["prox_logp"] = learner_logp
-        mbs = B.layout(batch, mini_batches, pack_rows=lc.pack, max_seq_len=lc.max_seq_len,
-                       row_multiple=self.fns.row_multiple)
+        mbs = host_batch.layout(batch, mini_batches, pack_rows=lc.pack, max_seq_len=lc.max_seq_len,
+                                row_multiple=self.fns.row_multiple)
         for mb in mbs:  # before any update: prox/ref log-probs are of this version's params
             if self.fns.needs_prox and "prox_logp" not in mb:
                 mb["prox_logp"] = self.fns.logprobs(self.fns.prox_params(self.state), mb)
@@ -280,7 +299,7 @@ class Learner:
         steps, compiled = [], self.fns.train.call_compiles
         for mb in mbs:
             # each host puts its own rows (learner.distributed; one host: shard_batch)
-            inputs = self._dist.put_batch(self.fns.inputs(self.state.params, mb), self.setup.mesh)
+            inputs = self._dist.global_arrays(self.fns.inputs(self.state.params, mb), self.setup.mesh)
             try:
                 self.state, m = self.fns.train(self.state, inputs)
             except NonFiniteLossError as e:
@@ -289,7 +308,8 @@ class Learner:
             steps.append(self._rl_step.scalar_metrics(m, "loss/"))   # float(): waits for the update
         clock = self._times.add("update_s", clock)
         if from_step:   # one mini-batch, unpacked: its rows are the batch's
-            learner_logp = np.asarray(m[self._rl_step.TOKEN_LOGP], np.float32)
+            learner_logp = host_batch.local_rows(self._dist.to_host(m[self._rl_step.TOKEN_LOGP]),
+                                                 batch["tokens"].shape[0]).astype(np.float32)
         mismatch_logp, measured = engine_metrics.at_token_versions(batch["staleness"], {0: learner_logp, **past_logp})
         metrics.update(engine_metrics.step_metrics(self.cfg, batch, mismatch_logp,
                                                    [t.rollout_id for g in groups for t in g], measured))
@@ -304,7 +324,8 @@ class Learner:
         table = engine_metrics.labels(self.cfg)
         return metrics, [dict(t.log_row(self.version), learner_version=self.version,
                               trajectory_id=f"{t.group_id}/{t.sample_index}",
-                              **engine_metrics.row_labels(self.cfg, t.rollout_id, table)) for g in groups for t in g]
+                              **engine_metrics.row_labels(self.cfg, t.rollout_id, table)) for g in groups for t in g], \
+            [B.TrajectoryStats.of(t) for g in groups for t in g]
 
     def _keep_params_for_mismatch(self) -> None:
         """learner.mismatch_versions: a copy of this version's params (the update donates them)."""
@@ -334,16 +355,16 @@ class Learner:
         k = self.cfg.learner.mini_batches
         parts = [(self.global_batch // k, 1)] * k if modes.streams_minibatches(self.mode) \
             else [(self.global_batch, k)]
-        metrics_parts, rows, waited, groups_all = [], [], 0.0, []
+        metrics_parts, rows, waited, consumed = [], [], 0.0, []
         for num_groups, mini_batches in parts:
-            groups, w = self._collect(num_groups)
+            groups, ticket, w = self._collect(num_groups)
             waited += w
-            groups_all += groups
-            self._mirror.send(v, "update", groups, mini_batches)   # the other hosts: the same update
-            m, r = self._update(groups, mini_batches)
+            # the other hosts: the same update, each on its own part of the batch (the ticket's)
+            self._mirror.send(v, "update", ticket, mini_batches)
+            m, r, c = self._update(groups, mini_batches)
             metrics_parts.append(m)
             rows += r
-        metrics = {key: float(np.mean([m[key] for m in metrics_parts])) for key in metrics_parts[0]}
+            consumed += c
         short = self.min_update_s - (time.time() - t_start - waited)
         if short > 0:   # benchmarks: the emulated accelerator-bound update is update time
             time.sleep(short)
@@ -358,24 +379,7 @@ class Learner:
         self._times.add("publish_s", clock)
         self.data.set_learner_version.remote(self.version)
         end = time.time()
-        wall = max(end - self._last_end, 1e-9)
-        tokens = sum(t.num_tokens for g in groups_all for t in g)
-        rewards = [t.reward for g in groups_all for t in g]
-        metrics.update(B.staleness_stats(groups_all, v))
-        metrics.update(tool_step_metrics([t.turn_stats for g in groups_all for t in g],   # fixed keys, 0 single-turn
-                                         [t.num_tokens for g in groups_all for t in g]))
-        metrics.update(version=self.version, reward_mean=float(np.mean(rewards)), exact_rate=exact_rate(rewards),
-                       reward_std=float(np.std(rewards)), response_len_mean=tokens / len(rewards),
-                       consumed_trajectories=len(rewards), consumed_tokens=tokens,
-                       learner_wait_s=waited, learner_update_s=end - t_start - waited, step_wall_s=wall,
-                       learner_idle_frac=min(1.0, (waited + t_start - self._last_end) / wall),
-                       trajectories_per_s=len(rewards) / wall, tokens_per_s=tokens / wall)
-        self._times.times["wait_data_s"] = waited
-        metrics.update(self._times.learner_step(wall=wall, gap=t_start - self._last_end,
-                                                checkpoint=self._checkpoint_s))
-        metrics["time/publish_write_s"] = self._write_s   # background (newest finished write)
-        metrics["learner/hosts"] = float(self._jax.process_count())   # learner.hosts joined in its mesh
-        self._last_end = end
+        checkpoint_s = self._checkpoint_s   # the last step's save, which delayed this one
         run = self.cfg.run
         saving = self._checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
                                 now=time.time(), every=run.checkpoint_every, every_s=run.checkpoint_every_s,
@@ -385,7 +389,31 @@ class Learner:
             self.checkpoint()
         # after `end`: it delays the next step, whose breakdown carries it
         self._checkpoint_s = time.perf_counter() - clock
-        self._mirror.collect()   # the other hosts' parts of this step (a failure: LearnerHostError)
+        # the other hosts' parts of this step (a failure: LearnerHostError): their updates'
+        # metrics (averaged with the leader's), trajectory rows and stats
+        for m, r, c in (out for out in self._mirror.collect() if out is not None):
+            metrics_parts.append(m)
+            rows += r
+            consumed += c
+        metrics = {key: float(np.mean([m[key] for m in metrics_parts])) for key in metrics_parts[0]}
+        wall = max(end - self._last_end, 1e-9)
+        tokens = sum(t.num_tokens for t in consumed)
+        rewards = [t.reward for t in consumed]
+        metrics.update(B.staleness_stats([consumed], v))
+        metrics.update(tool_step_metrics([t.turn_stats for t in consumed],   # fixed keys, 0 single-turn
+                                         [t.num_tokens for t in consumed]))
+        metrics.update(version=self.version, reward_mean=float(np.mean(rewards)), exact_rate=exact_rate(rewards),
+                       reward_std=float(np.std(rewards)), response_len_mean=tokens / len(rewards),
+                       consumed_trajectories=len(rewards), consumed_tokens=tokens,
+                       learner_wait_s=waited, learner_update_s=end - t_start - waited, step_wall_s=wall,
+                       learner_idle_frac=min(1.0, (waited + t_start - self._last_end) / wall),
+                       trajectories_per_s=len(rewards) / wall, tokens_per_s=tokens / wall)
+        self._times.times["wait_data_s"] = waited
+        metrics.update(self._times.learner_step(wall=wall, gap=t_start - self._last_end,
+                                                checkpoint=checkpoint_s))
+        metrics["time/publish_write_s"] = self._write_s   # background (newest finished write)
+        metrics["learner/hosts"] = float(self._jax.process_count())   # learner.hosts joined in its mesh
+        self._last_end = end
         with self._lock:
             events, self._events = self._events, []
         # checkpoint_started: the driver makes this step's rows durable before the save commits

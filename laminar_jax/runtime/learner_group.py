@@ -6,12 +6,15 @@
 
 JAX is multi-controller: every host must run every compiled step, in the same order, with the
 same shapes. The driver talks to the leader only (the same handle and calls as one learner). The
-leader samples the groups from the data actor and, before each collective piece of work (an
-update, a publish, a checkpoint save), hands the same call to every follower (`Mirror.send`); a
-follower runs the calls in the leader's order (`Follower.run`, by sequence number), so all hosts
-assemble the same host-side batch and each feeds only its own rows to the global arrays. The
-leader collects the followers' results at the end of each step, with a timeout: a follower's error
-or death is a clear error naming the host, never a silent wait.
+leader has the data actor sample the global batch (`DataActor.wait_sample_hosts`: the actor keeps
+each host's slice of the groups and hands the leader its own and a ticket) and, before each
+collective piece of work (an update, a publish, a checkpoint save), hands the same call to every
+follower (`Mirror.send`: an update carries the ticket, not the groups); a follower takes its own
+slice from the data actor (`host_part`) and runs the calls in the leader's order (`Follower.run`,
+by sequence number). Each host assembles only its rows (`runtime.host_batch` settles the shapes
+and whole-batch numbers between them) and feeds them to the global arrays. The leader collects
+the followers' results at the end of each step (their metrics, trajectory rows and stats), with a
+timeout: a follower's error or death is a clear error naming the host, never a silent wait.
 
 A host that dies inside a collective leaves the others blocked in it: the driver's liveness check
 (`check_alive`, about once a second) names the dead host and stops the run; the next `laminar
@@ -54,6 +57,16 @@ def devices_per_host(cfg: Any) -> int:
     return local
 
 
+def check_batch(cfg: Any) -> None:
+    """Each host takes whole groups of every mini-batch (its slice of the batch): a ConfigError
+    naming learner.global_batch_groups, learner.mini_batches and learner.hosts otherwise."""
+    lc = cfg.learner
+    if lc.global_batch_groups % (lc.hosts * lc.mini_batches):
+        raise ConfigError(f"learner.global_batch_groups={lc.global_batch_groups} does not split into "
+                          f"learner.mini_batches={lc.mini_batches} x learner.hosts={lc.hosts} equal parts of "
+                          f"whole groups")
+
+
 def bundles(cfg: Any, kind: str | None) -> list[dict]:
     """One placement-group bundle per learner host: its accelerators, or on CPU one logical CPU
     (actors otherwise take 0, so this only bounds how many learner hosts a node takes)."""
@@ -62,8 +75,9 @@ def bundles(cfg: Any, kind: str | None) -> list[dict]:
 
 
 def check(cfg: Any, kind: str | None) -> None:
-    """Before any worker starts: the mesh divides over the hosts and the cluster can place one
-    bundle per host (each bundle on one node); ClusterError otherwise."""
+    """Before any worker starts: the mesh divides over the hosts, the cluster can place one
+    bundle per host (each bundle on one node; ClusterError otherwise) and the batch splits into
+    whole groups per host (`check_batch`)."""
     from laminar_jax.runtime.cluster import ClusterError
     hosts = cfg.learner.hosts
     if hosts == 1:
@@ -74,6 +88,7 @@ def check(cfg: Any, kind: str | None) -> None:
     if fits < hosts:
         raise ClusterError(f"learner.hosts={hosts}: each learner host needs {amount:g} {res} on one node, and the "
                            f"Ray cluster can place only {fits} such hosts; lower learner.hosts or add nodes")
+    check_batch(cfg)
 
 
 def _pick_port(host: str) -> str:
@@ -171,16 +186,18 @@ class Mirror:
             except LearnerHostError as e:
                 raise e from error
 
-    def collect(self, timeout_s: float = FOLLOW_TIMEOUT_S) -> None:
-        pending, self._pending = self._pending, []
+    def collect(self, timeout_s: float = FOLLOW_TIMEOUT_S) -> list[Any]:
+        """The followers' results of the calls sent since the last collect, in sending order."""
+        pending, self._pending, results = self._pending, [], []
         for ref in pending:
             try:
-                ray.get(ref, timeout=timeout_s)
+                results.append(ray.get(ref, timeout=timeout_s))
             except ray.exceptions.GetTimeoutError:
                 raise LearnerHostError(f"a learner host did not finish its part of the step within "
                                        f"{timeout_s:.0f} s") from None
             except ray.exceptions.RayActorError as e:
                 raise LearnerHostError(f"a learner host died during the step: {e}") from None
+        return results
 
 
 class Follower:

@@ -30,6 +30,7 @@ from laminar_jax.learner.train_step import AheadOfTime, TrainStep
 from laminar_jax.models.grad_accumulation import decoder_params_into
 from laminar_jax.rl.advantages import advantages_from_spec
 from laminar_jax.runtime import batch as B
+from laminar_jax.runtime import host_batch
 from laminar_jax.rl.compose import keep_needs_learner, kept_mask, loss_normaliser, make_loss
 from laminar_jax.rl.ewma import ewma_params
 
@@ -117,9 +118,9 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int, batch_logp: bool = True
     logp_jit = AheadOfTime(lp.make_logprobs_fn(sharded, chunk_size=chunk))
     logp_keys = ("tokens", "positions", "segment_ids", "response_mask")
 
-    def logprobs(params, batch):   # several learner hosts: each puts its rows, all get the whole
-        logp, _ = logp_jit(params, *(dist.put_batch(batch[k], setup.mesh) for k in logp_keys))
-        return np.asarray(dist.gather(logp), np.float32)
+    def logprobs(params, batch):   # several learner hosts: `batch` is this host's rows, and so is the result
+        logp, _ = logp_jit(params, *(dist.global_arrays(batch[k], setup.mesh) for k in logp_keys))
+        return np.asarray(host_batch.local_rows(dist.to_host(logp), batch["tokens"].shape[0]), np.float32)
     logprobs.aot = logp_jit   # its call_compiles: the learner's `learner/logprob_compiles` metric
 
     kept_jit = jax.jit(partial(kept_mask, spec))
@@ -204,12 +205,15 @@ def precompile_all(cfg: Any, fns: LearnerFns, state: Any, *, num_groups: int, ev
 
 def train_inputs(cfg: Any, mb: dict[str, np.ndarray], *, keep_mask: Any = None) -> dict[str, Any]:
     """The mini-batch as the train step takes it: the arrays the loss reads plus its normaliser
-    (over the kept tokens `keep_mask` when rejected tokens leave the denominator)."""
+    (over the kept tokens `keep_mask` when rejected tokens leave the denominator). Several
+    learner hosts: `mb` is this host's rows, and the normaliser, a sum of per-row shares
+    (`rl.compose.loss_normaliser`), is summed over the hosts (a collective)."""
     keys = TRAIN_KEYS + tuple(k for k in ("prox_logp", "ref_logp") if k in mb)
     out = {k: mb[k] for k in keys}
-    out["normaliser"] = np.float32(loss_normaliser(cfg.loss, jnp.asarray(mb["response_mask"]),
-                                                   segment_ids=jnp.asarray(mb["segment_ids"]),
-                                                   keep_mask=keep_mask))
+    share = np.float32(loss_normaliser(cfg.loss, jnp.asarray(mb["response_mask"]),
+                                       segment_ids=jnp.asarray(mb["segment_ids"]),
+                                       keep_mask=keep_mask))
+    out["normaliser"] = np.float32(dist.sum_over_hosts(share)) if jax.process_count() > 1 else share
     return out
 
 

@@ -10,7 +10,8 @@ Kinds used by the weights package:
   publish_start, publish_returned, publish_superseded, publish_written, publish_failed,
   publish_announced                         (learner side, `publish.Publisher`)
   master_restored, chunk_rejected, chunk_lost, version_dropped, version_aborted,
-  relay_received, relay_resend, store_pruned, publish_skipped, relay_error
+  relay_received, relay_resend, store_pruned, publish_skipped, relay_error,
+  publish_incomplete (a multi-host version with a learner host's shards missing or torn)
                                             (relay side, `relay.RelayWorker`)
   stream_error, stream_fallback             (relay-to-relay TCP streams, `stream`: a failed
                                             connect, send or read, and a link that switched to

@@ -2,7 +2,9 @@
 
 Laminar §4.2, Fig 6 ("Concat", "Reshard"): the master gathers the learner's partitions and lays
 them out as the rollouts load them. Here: orbax restores the checkpoint to host numpy whatever mesh
-wrote it (`publish.read_path`), `flat.params_to_flat` writes the Hugging Face layout into one
+wrote it (`publish.read_path`; a multi-host learner's per-host shards are assembled and
+checksummed by `host_shards.assemble`, and a host's missing or torn shard is a `ShardError`),
+`flat.params_to_flat` writes the Hugging Face layout into one
 buffer, `flat.make_manifest` cuts it into k chunks and checksums each. k comes from the chain time
 model (`chain.optimal_chunks`) unless fixed.
 """

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from laminar_jax.weights import flat, master, shared_buffer, stream
+from laminar_jax.weights import flat, host_shards, master, shared_buffer, stream
 from laminar_jax.weights.events import record
 from laminar_jax.weights.relay_links import Downstream
 from laminar_jax.weights.relay_state import Arrival, Served, Versions
@@ -321,7 +321,12 @@ class RelayWorker:
             if manifest.num_chunks != role.chunks_for(buffer.size):   # the chain changed since
                 manifest = flat.make_manifest(version, buffer, manifest.index, role.chunks_for(buffer.size))
         else:
-            manifest, buffer, source, timings = self._restore(role, version, path)
+            try:
+                manifest, buffer, source, timings = self._restore(role, version, path)
+            except host_shards.ShardError as e:   # a learner host's shards missing or torn: not served
+                self._log("publish_incomplete", version=version, host=getattr(e, "host", None),
+                          tensor=getattr(e, "tensor", None), error=str(e))
+                return
         self._warm = True
         self._log("master_restored", version=version, bytes=int(buffer.size),
                   chunks=manifest.num_chunks, standby=prepared is not None, **timings)

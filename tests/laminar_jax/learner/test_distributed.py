@@ -1,8 +1,10 @@
 """The multi-host learner step (learner/distributed.py) for real: two processes x 4 fake CPU devices
 joined by jax.distributed (gloo collectives) run the learner's own jitted RL train step
-(runtime/rl_step.py) on one global (data, fsdp, tensor) = (2, 2, 2) mesh, each feeding only its
-half of every global batch; the loss, grad norm and final params equal one process with 8 devices
-running the same steps on the whole batch (fp tolerance: only the reduction order differs).
+(runtime/rl_step.py) on one global (data, fsdp, tensor) = (2, 2, 2) mesh. Each gets only its
+groups of every global batch (the data actor's `host_parts`) and builds only its rows
+(runtime/host_batch.py: agreed length, whole-batch advantages, normaliser summed over hosts);
+the loss, grad norm and final params equal one process with 8 devices running the same steps on
+the whole batch (fp tolerance: only the reduction order differs).
 
 This file is also the worker: `python test_distributed.py <processes> <id> <coordinator> <out>`."""
 import json
@@ -14,26 +16,46 @@ import numpy as np
 import pytest
 
 ROWS, LEN, PROMPT, STEPS = 8, 16, 4, 3
+GROUPS, GROUP_SIZE = 2, 4
 # optimizer.eps=1e-3: Adam moves a near-zero-gradient weight by about lr whatever the gradient's
 # size, which would turn reduction-order noise into lr-sized differences; a large eps keeps the
 # update linear in the gradient, so the two runs' params compare at fp tolerance
-OVERRIDES = ["learner.global_batch_groups=2", "data.group_size=4", "learner.micro_batch_size=4",
+OVERRIDES = [f"learner.global_batch_groups={GROUPS}", f"data.group_size={GROUP_SIZE}", "learner.micro_batch_size=4",
              "mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=2", "optimizer.lr=0.05", "optimizer.eps=1e-3", f"run.steps={STEPS}",
              "learner.precompile=false"]
 
 
-def global_batch(vocab: int, step: int) -> dict:
-    """The step's whole mini-batch, the same on every host (seeded by the step)."""
+def global_groups(vocab: int, step: int) -> list:
+    """The step's whole batch as the data actor samples it: GROUPS groups of GROUP_SIZE
+    trajectories (seeded by the step), the same on every host before the split."""
+    from laminar_jax.data.records import Trajectory
     rng = np.random.default_rng(step)
-    lengths = rng.integers(PROMPT + 3, LEN + 1, ROWS)
-    tokens = rng.integers(0, vocab, (ROWS, LEN)).astype(np.int32)
-    seg = (np.arange(LEN)[None] < lengths[:, None]).astype(np.int32)
-    pos = np.where(seg > 0, np.arange(LEN)[None], 0).astype(np.int32)
-    resp = ((np.arange(LEN)[None] >= PROMPT) & (seg > 0)).astype(np.float32)
-    adv = np.repeat(rng.normal(size=(ROWS, 1)).astype(np.float32), LEN, 1) * resp
-    behaviour = (-rng.uniform(0.5, 5.0, (ROWS, LEN)) * resp).astype(np.float32)
-    return {"tokens": tokens, "positions": pos, "segment_ids": seg, "response_mask": resp,
-            "staleness": np.zeros((ROWS, LEN), np.float32), "advantages": adv, "behaviour_logp": behaviour}
+    groups = []
+    for g in range(GROUPS):
+        group = []
+        for i in range(GROUP_SIZE):
+            n = int(rng.integers(3, LEN - PROMPT + 1))
+            logp = (-rng.uniform(0.5, 5.0, n)).astype(np.float32)
+            group.append(Trajectory(group_id=f"e0-{g}", prompt_id=f"p{g}", sample_index=i, rollout_id="r0",
+                                    prompt_tokens=rng.integers(0, vocab, PROMPT), response_tokens=rng.integers(0, vocab, n),
+                                    behaviour_logp=logp, sample_logp=logp, token_versions=np.zeros(n, np.int64),
+                                    gen_version=0, reward=float(rng.normal()), finish_reason="stop"))
+        groups.append(group)
+    return groups
+
+
+def host_inputs(cfg, fns, groups) -> dict:
+    """This host's train inputs from its own groups, as the learner builds them
+    (runtime/learner_actor.py `_update`): agreed length, whole-batch advantages, its rows only,
+    the normaliser summed over the hosts."""
+    from laminar_jax.runtime import batch as B
+    from laminar_jax.runtime import host_batch, rl_step
+    plan = host_batch.plan(groups, max_seq_len=LEN, min_len=LEN)
+    batch = B.assemble(groups, learner_version=0, max_seq_len=LEN, min_len=LEN, rows=len(groups) * GROUP_SIZE,
+                       length=plan.length)
+    batch["advantages"], _ = host_batch.advantages(fns.advantages, batch, plan)
+    mb, = host_batch.layout(batch, 1, pack_rows=False, max_seq_len=LEN, row_multiple=fns.row_multiple)
+    return rl_step.train_inputs(cfg, mb)
 
 
 def _flat(tree) -> dict:
@@ -65,10 +87,11 @@ def worker(processes: int, process_id: int, coordinator: str, out: str) -> None:
     setup = build(cfg, total_steps=STEPS)
     fns = rl_step.build(cfg, setup, mini_batch_rows=ROWS)
     state, losses, norms = setup.state, [], []
+    from laminar_jax.runtime.data_actor import host_parts
     for step in range(STEPS):
-        inputs = rl_step.train_inputs(cfg, global_batch(cfg.model.vocab_size, step))
-        mine = dist.local_part(inputs)   # this host's rows; the normaliser is the global one
-        state, m = fns.train(state, dist.global_arrays(mine, setup.mesh))
+        # the data actor's split: this host gets only its groups, and builds only its rows
+        mine = host_parts(global_groups(cfg.model.vocab_size, step), processes)[process_id]
+        state, m = fns.train(state, dist.global_arrays(host_inputs(cfg, fns, mine), setup.mesh))
         print(f"host {process_id}: step {step} loss {m['loss']:.6f}", flush=True)
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
@@ -144,6 +167,18 @@ def test_two_processes_equal_one_process_with_all_devices(tmp_path):
     assert w2.keys() == w1.keys() and len(w1) > 0
     for k in w1:   # a 2-host publish holds the same bytes as a 1-host publish of the same params
         assert w2[k].dtype == w1[k].dtype and w2[k].tobytes() == w1[k].tobytes(), k
+    # ... written per host (each its own shards and a checksummed manifest, no gather), and the
+    # master's engine layout of it is the 1-host one's
+    from laminar_jax.config import load_config
+    from laminar_jax.runtime.engines import model_config
+    from laminar_jax.weights import host_shards, master
+    stores = [WeightStore(str(tmp_path / f"store{n}")) for n in (2, 1)]
+    assert host_shards.is_host_sharded(stores[0].path(1)) and not host_shards.is_host_sharded(stores[1].path(1))
+    assert not host_shards.missing_hosts(stores[0].path(1), 2)
+    mcfg = model_config(load_config(None, OVERRIDES), None)
+    (m2, b2, _), (m1, b1, _) = (master.prepare(master.MasterRole(store=st, cfg=mcfg, chain_length=2), 1, st.path(1))
+                                for st in stores)
+    assert m2 == m1 and np.array_equal(b2, b1)
     assert (a["processes"], a["devices"], a["local_devices"]) == (2, 8, 4)
     assert (b["processes"], b["devices"]) == (1, 8)
     assert a["mesh"] == b["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}

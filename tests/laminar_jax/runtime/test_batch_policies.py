@@ -127,3 +127,39 @@ def test_partial_mode_gives_a_dropped_groups_slot_back():
     assert [t[0].group_id for t in a.sample(1, 2)] == [got[1].group_id]  # got[0] dropped as stale
     # 4 issued, 1 of them dropped: 3 accepted, so (2 + 2) * 2 - 3 = 5 more may go out on version 2
     assert len(a.issue(10, "r0", weight_version=2)) == 5
+
+
+def test_the_data_actor_hands_each_learner_host_a_disjoint_part_of_the_batch():
+    """learner.hosts = 2: the leader's call samples the global batch and gets its part; the other
+    host takes its own with the ticket, once; the parts are disjoint whole groups whose union is
+    the batch."""
+    a = make_actor("laminar")
+    issued = a.issue(4, "r0", weight_version=0)
+    for g in issued:
+        deliver(a, g, 0)
+    ticket, mine = a.wait_sample_hosts(4, 0, None, 1.0, hosts=2)
+    theirs = a.host_part(ticket, 1)
+    ids = [[t[0].group_id for t in part] for part in (mine, theirs)]
+    assert len(ids[0]) == len(ids[1]) == 2 and not set(ids[0]) & set(ids[1])
+    assert sorted(ids[0] + ids[1]) == sorted(g.group_id for g in issued)
+    assert all(len({t.group_id for t in g}) == 1 and len(g) == 2 for part in (mine, theirs) for g in part)
+    with pytest.raises(KeyError, match="no part of batch .* for learner host 1"):
+        a.host_part(ticket, 1)
+    assert a.wait_sample_hosts(4, 0, None, 0.01, hosts=2) is None   # nothing buffered: None, not an error
+    from laminar_jax.runtime.data_actor import host_parts
+    with pytest.raises(ValueError, match="do not split over learner.hosts=3"):
+        host_parts(list(range(4)), 3)
+
+
+def test_a_host_part_assembles_at_the_agreed_length_and_packs_to_the_agreed_rows():
+    g0 = [traj("e0-0", 0, [5, 6], [7, 8, 9], [2, 2, 3]), traj("e0-0", 1, [5, 6], [7], [3], 0.0)]
+    out = B.assemble([g0], learner_version=4, max_seq_len=64, min_len=8, rows=4, length=32)
+    assert out["tokens"].shape == (4, 32) and out["valid"].tolist() == [1, 1, 0, 0]
+    pad = B.assemble([], learner_version=4, max_seq_len=64, rows=2, length=32)   # a host left with no group
+    assert pad["tokens"].shape == (2, 32) and not pad["valid"].any() and not pad["response_mask"].any()
+    with pytest.raises(ValueError, match="length=4 is shorter"):
+        B.assemble([g0], learner_version=4, max_seq_len=64, length=4)
+    packed = B.pack(out, max_seq_len=8, row_multiple=1)
+    assert packed["tokens"].shape == (1, 8)   # 5 + 3 tokens share a row
+    wide = B.pack(out, max_seq_len=8, row_multiple=1, min_rows=3)
+    assert wide["tokens"].shape == (4, 8) and np.array_equal(wide["tokens"][:1], packed["tokens"]) and not wide["segment_ids"][1:].any()

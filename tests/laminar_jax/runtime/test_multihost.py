@@ -42,6 +42,11 @@ def test_hosts_the_cluster_cannot_place_or_a_mesh_that_does_not_split_fail_befor
     cfg = countdown_config(str(tmp_path), "tp", model, **{"learner.hosts": 2, "mesh.tensor": 2})
     with pytest.raises(ConfigError, match=r"mesh.tensor.*learner.hosts=2"):
         learner_group.devices_per_host(cfg)
+    # each host takes whole groups of every mini-batch: 6 groups do not split into 2 x 2
+    cfg = countdown_config(str(tmp_path), "groups", model, **TWO_HOSTS, **{"learner.global_batch_groups": 6,
+                                                                           "learner.mini_batches": 2})
+    with pytest.raises(ConfigError, match=r"learner.global_batch_groups=6 .* learner.mini_batches=2 x learner.hosts=2"):
+        driver.run(cfg, quiet=True)
     assert _actors() == before, "an actor was started before the error"
 
 
@@ -75,6 +80,13 @@ def test_two_host_train_learns_then_a_dead_host_stops_it_and_one_host_resumes(cl
     traj = crashed.trajectories
     gain = reward_gain(traj.assign(n=traj.prompt_id.map(n_of)), strata="n")
     assert gain["gain"] > MIN_GAIN, gain   # two hosts learn
+    # each host trained on its own part: the leader's step counts and logs both hosts' trajectories
+    batch = cfg.learner.global_batch_groups * cfg.data.group_size
+    assert (m["consumed_trajectories"] == batch).all() and len(traj) == batch * len(m)
+    # the per-host publishes (weights/host_shards.py) were complete and served
+    ev = crashed.events
+    assert not ev.kind.isin(["publish_failed", "publish_incomplete"]).any()
+    assert (ev.kind == "master_restored").sum() >= killed["step"] // 2
     latest = run_folder.checkpoints(str(run_dir))[-1]
     assert latest == 20
 

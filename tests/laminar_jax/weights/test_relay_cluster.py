@@ -28,7 +28,7 @@ from laminar_jax.learner import train_state as ts
 from laminar_jax.models import hf
 from laminar_jax.models.config import DecoderConfig
 from laminar_jax.models.decoder import Decoder
-from laminar_jax.weights import flat, publish, shared_buffer
+from laminar_jax.weights import flat, host_shards, publish, shared_buffer
 from laminar_jax.weights.events import EventLog
 from laminar_jax.weights.relay import pull
 from laminar_jax.weights.relay_group import RelayGroup, local_relay
@@ -276,6 +276,38 @@ def test_corrupt_or_truncated_chunk_is_rejected_and_previous_version_served(stac
     relay.offer.remote(manifest, 1, [ray.put(fresh[slice(*manifest.chunks[1])])])
     assert ray.get(relay.wait_newer.remote(version, 1.0)) is None
     assert ray.get(relay.status.remote())["arriving"] is None
+
+
+def test_a_torn_or_incomplete_multi_host_version_is_not_served_and_names_the_host(stack):
+    """A multi-host learner's version (per-host shards, weights/host_shards.py) with one host's
+    shard torn, or one host's manifest missing: the master reports it (host and tensor) and
+    keeps serving the previous version."""
+    from tests.laminar_jax.weights.test_host_shards import write_version
+    group, log = stack.group, stack.log
+    good, _ = stack.publish_everywhere(4)
+    tree = publish.read_version(stack.store, good)   # host numpy, bf16: what two hosts would write
+    torn, partial = stack.version(), stack.version()
+    path = write_version(stack.store.root, torn, tree)
+    data = host_shards.data_path(path, 1)
+    blob = bytearray(open(data, "rb").read())
+    blob[7] ^= 0x01
+    open(data, "wb").write(bytes(blob))
+    group.master.publish.remote(torn, path)
+
+    def incomplete(n):
+        group.collect_events()
+        return len(log.records("publish_incomplete")) == n
+    wait_for(lambda: incomplete(1), what="the torn shard's report")
+    rec = log.records("publish_incomplete")[0]
+    assert rec["version"] == torn and rec["host"] == 1 and rec["tensor"] in rec["error"]
+    path = write_version(stack.store.root, partial, tree)
+    os.remove(host_shards.manifest_path(path, 0))
+    group.master.publish.remote(partial, path)
+    wait_for(lambda: incomplete(2), what="the missing manifest's report")
+    rec = log.records("publish_incomplete")[1]
+    assert rec["version"] == partial and rec["host"] == 0 and "missing" in rec["error"]
+    for node in group.order:
+        assert pull(group.relay_for(node))[0] == good
 
 
 def test_fanout_topology_delivers_the_same_bytes(stack):
