@@ -62,7 +62,7 @@ def test_close_during_a_step_waits_for_it_and_nothing_is_saved_after(tmp_path, m
         in_update.set()
         assert release.wait(60)
         return update(*args)
-    monkeypatch.setattr(learner, "_collect", lambda n: (groups, 0.0))
+    monkeypatch.setattr(learner, "_collect", lambda n: (groups, None, 0.0))   # (groups, host ticket, wait s)
     monkeypatch.setattr(learner, "_update", gated_update)
 
     out: dict = {}
