@@ -110,3 +110,19 @@ def is_loopback(ip: str) -> bool:
     addr = ipaddress.ip_address(ip.split("%")[0])
     mapped = getattr(addr, "ipv4_mapped", None)
     return (mapped or addr).is_loopback
+
+
+def toy_groups(num_groups: int = 2, group_size: int = 4, seed: int = 0) -> list:
+    """Groups of short made-up trajectories (prompt of 5, responses of 2-8 tokens, log-probs
+    -1.5, rewards alternating 0/1, version 0) for a learner step without rollouts."""
+    import numpy as np
+
+    from laminar_jax.data.records import Trajectory
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(num_groups):
+        prompt = rng.integers(3, 100, 5)
+        out.append([Trajectory(f"g{g}", f"p{g}", i, "rollout-0", prompt, rng.integers(3, 100, n),
+                               np.full(n, -1.5), np.full(n, -1.5), np.zeros(n, int), 0, float(i % 2), "stop")
+                    for i, n in enumerate(rng.integers(2, 9, group_size))])
+    return out

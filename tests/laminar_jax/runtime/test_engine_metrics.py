@@ -89,8 +89,8 @@ def test_mismatch_metrics_from_the_train_steps_forward_equal_the_separate_pass(t
     """A real learner update (no Ray: the actor class in-process): with the log-probs taken from
     the train step's forward, no separate pass runs, and the mismatch metrics equal those of a
     separate log-prob pass of the same params, bit for bit."""
-    from laminar_jax.data.records import Trajectory
     from laminar_jax.runtime import batch as B, breakdown
+    from tests.laminar_jax.runtime.runtime_fixtures import toy_groups
     from laminar_jax.runtime.learner_actor import Learner
 
     cfg = load_config("configs/default.yaml", [
@@ -98,13 +98,7 @@ def test_mismatch_metrics_from_the_train_steps_forward_equal_the_separate_pass(t
         "learner.max_seq_len=32", "learner.min_bucket=16", f"relay.store_dir={tmp_path}/stores"])
     learner = Learner(cfg, str(tmp_path / "run"), data=None, resume=False, store_root=str(tmp_path / "store"))
     assert learner._logp_from_step
-    rng = np.random.default_rng(0)
-    groups = []
-    for g in range(2):
-        prompt = rng.integers(3, 100, 5)
-        groups.append([Trajectory(f"g{g}", f"p{g}", i, "rollout-0", prompt, rng.integers(3, 100, n),
-                                  np.full(n, -1.5), np.full(n, -1.5), np.zeros(n, int), 0, float(i % 2), "stop")
-                       for i, n in enumerate(rng.integers(2, 9, 4))])
+    groups = toy_groups()
     batch = B.assemble(groups, learner_version=0, max_seq_len=32, min_len=16, rows=8)
     want = engine_metrics.step_metrics(cfg, batch, learner.fns.logprobs(learner.state.params, batch),
                                        [t.rollout_id for g in groups for t in g])
@@ -117,7 +111,7 @@ def test_mismatch_metrics_from_the_train_steps_forward_equal_the_separate_pass(t
     counted.aot = logprobs.aot
     learner.fns = learner.fns._replace(logprobs=counted)
     learner._times = breakdown.Stopwatch()
-    got, _ = learner._update(groups, 1)
+    got = learner._update(groups, 1)[0]   # (metrics, trajectory rows, stats)
     assert calls == [], "no separate log-prob pass"
     keys = [k for k in want if k.startswith("mismatch/")]
     assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}

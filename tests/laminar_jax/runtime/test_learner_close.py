@@ -10,10 +10,10 @@ import logging
 import os
 import threading
 
-import numpy as np
 import pytest
 
 from laminar_jax.config import load_config
+from tests.laminar_jax.runtime.runtime_fixtures import toy_groups
 
 
 class _Data:
@@ -31,18 +31,6 @@ class _Data:
         self.state_dict = self._Call({})
 
 
-def _groups():
-    from laminar_jax.data.records import Trajectory
-    rng = np.random.default_rng(0)
-    out = []
-    for g in range(2):
-        prompt = rng.integers(3, 100, 5)
-        out.append([Trajectory(f"g{g}", f"p{g}", i, "rollout-0", prompt, rng.integers(3, 100, n),
-                               np.full(n, -1.5), np.full(n, -1.5), np.zeros(n, int), 0, float(i % 2), "stop")
-                    for i, n in enumerate(rng.integers(2, 9, 4))])
-    return out
-
-
 def test_close_during_a_step_waits_for_it_and_nothing_is_saved_after(tmp_path, monkeypatch, caplog):
     from laminar_jax.runtime import learner_actor
     from laminar_jax.runtime.learner_actor import Learner
@@ -54,7 +42,7 @@ def test_close_during_a_step_waits_for_it_and_nothing_is_saved_after(tmp_path, m
     run_dir = tmp_path / "run"
     learner = Learner(cfg, str(run_dir), data=_Data(), resume=False, store_root=str(tmp_path / "store"))
     monkeypatch.setattr(learner_actor.ray, "get", lambda x, timeout=None: x)
-    groups = _groups()
+    groups = toy_groups()
     in_update, release = threading.Event(), threading.Event()
     update = learner._update
 
