@@ -22,7 +22,6 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from laminar_jax.learner import distributed as dist
 from laminar_jax.runtime import batch as B
 
 
@@ -30,6 +29,13 @@ class Plan(NamedTuple):
     length: int | None    # the agreed row length (None: one host, the batch's own bucket)
     offset: int           # this host's first group id in the global batch
     total_groups: int     # groups of the global batch (after rejections)
+
+
+def _allgather(x: np.ndarray) -> np.ndarray:
+    # imported here: the driver loads this module (through the learner actor's class) and must
+    # not import jax (tests/laminar_jax/runtime/test_startup.py)
+    from laminar_jax.learner import distributed as dist
+    return dist.allgather(x)
 
 
 def _hosts() -> tuple[int, int]:
@@ -45,7 +51,7 @@ def plan(groups: Sequence[Sequence[Any]], *, max_seq_len: int, min_len: int) -> 
         if not groups:
             raise ValueError(f"learner.max_seq_len={max_seq_len}: every trajectory of the batch is longer")
         return Plan(None, 0, len(groups))
-    every = dist.allgather(np.asarray([len(groups), longest], np.int64))   # [hosts, 2]
+    every = _allgather(np.asarray([len(groups), longest], np.int64))   # [hosts, 2]
     total = int(every[:, 0].sum())
     if total == 0:
         raise ValueError(f"learner.max_seq_len={max_seq_len}: every trajectory of the batch (all "
@@ -64,7 +70,7 @@ def advantages(adv_fn: Any, batch: dict, p: Plan) -> tuple[np.ndarray, dict]:
         return adv_fn(batch, p.total_groups)
     mine = {k: batch[k] for k in ADV_KEYS}
     mine["group_ids"] = np.minimum(mine["group_ids"] + p.offset, p.total_groups - 1).astype(np.int32)
-    full = {k: _rows(dist.allgather(v)) for k, v in mine.items()}   # host-major rows
+    full = {k: _rows(_allgather(v)) for k, v in mine.items()}   # host-major rows
     adv, metrics = adv_fn(full, p.total_groups)
     n = batch["rewards"].shape[0]
     return adv[me * n:(me + 1) * n], metrics
@@ -87,7 +93,7 @@ def layout(batch: dict, mini_batches: int, *, pack_rows: bool, max_seq_len: int,
     local = row_multiple // hosts
     parts = B.split(batch, mini_batches)
     mbs = [B.pack(mb, max_seq_len=max_seq_len, row_multiple=local) for mb in parts]
-    want = dist.allgather(np.asarray([mb["tokens"].shape[0] for mb in mbs], np.int64)).max(axis=0)
+    want = _allgather(np.asarray([mb["tokens"].shape[0] for mb in mbs], np.int64)).max(axis=0)
     return [mb if mb["tokens"].shape[0] == w else B.pack(part, max_seq_len=max_seq_len, row_multiple=local,
                                                          min_rows=int(w))
             for mb, part, w in zip(mbs, parts, want)]
@@ -97,7 +103,7 @@ def any_host(flags: Sequence[bool]) -> list[bool]:
     hosts, _ = _hosts()
     if hosts == 1 or not flags:
         return [bool(f) for f in flags]
-    return [bool(x) for x in dist.allgather(np.asarray(flags, np.int32)).any(axis=0)]
+    return [bool(x) for x in _allgather(np.asarray(flags, np.int32)).any(axis=0)]
 
 
 def local_rows(x: np.ndarray, rows: int) -> np.ndarray:
