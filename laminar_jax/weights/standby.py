@@ -64,6 +64,7 @@ class Standby:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.prepared: Prepared | None = None
+        self._tid: int | None = None   # the follower thread (its priority is raised at promotion)
         self.reading: int | None = None    # the version being read now
         self.reads = 0                     # store reads (orbax restores) made by the follower
         self.warm = False
@@ -84,6 +85,8 @@ class Standby:
         that is in flight); None when the follower has not got it."""
         self._stop.set()
         with self._cond:
+            if self.reading == version:   # the new master waits on it: no more lowest priority
+                _normal_priority(self._tid)
             self._cond.wait_for(lambda: self.reading != version, timeout=wait_s)
             prepared, self.prepared = self.prepared, None
         if prepared is not None and prepared.manifest.version == version:
@@ -100,7 +103,7 @@ class Standby:
         # them (the import lock), and must not wait on a thread that gets no CPU
         import orbax.checkpoint  # noqa: F401
         from laminar_jax.weights import publish  # noqa: F401
-        shared_buffer.background_priority()
+        self._tid = threading.get_native_id()
         if not self._visible():
             self._log("standby_ready", warmed=False, error="weight store not visible from this relay")
             return
@@ -112,6 +115,8 @@ class Standby:
             self._stop.wait(0.5)
         while not self._stop.is_set():
             self._follow_once()
+            if self.warm:   # the warm-up read ran at normal priority, as a promotion's would
+                shared_buffer.background_priority()
             self._stop.wait(FOLLOW_POLL_S)
 
     def _follow_once(self) -> None:
@@ -126,7 +131,9 @@ class Standby:
         versions = self.role.store.versions()
         newest = versions[-1] if versions else None
         have = max(served, -1 if prepared is None else prepared.manifest.version)
-        if newest is None or newest <= have or self._stop.is_set():
+        # the first read warms the follower (orbax, the conversion, the page cache) even when
+        # the chain already delivered the newest version: a promotion then restores warm
+        if newest is None or self._stop.is_set() or (newest <= have and self.warm):
             return
         with self._cond:
             self.reading = newest
@@ -158,6 +165,15 @@ class Standby:
             self.warm = True
             self._log("standby_ready", warmed=True, version=newest, **got[2])
         self._log("standby_prepared", version=newest, **got[2])
+
+
+def _normal_priority(tid: int | None) -> None:
+    if tid is None:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except (AttributeError, OSError):   # lowering a nice value needs CAP_SYS_NICE
+        pass
 
 
 def _release(prepared: Prepared | None) -> None:
