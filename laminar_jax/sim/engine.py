@@ -10,7 +10,6 @@ reports. Deterministic for a given seed: ties in time are broken by insertion or
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 
 import numpy as np
@@ -20,19 +19,10 @@ from laminar_jax.sim import models
 from laminar_jax.sim.buffer import SimBuffer
 from laminar_jax.sim.config import CellSpec, SimConfig
 from laminar_jax.sim.rollout import Rollout, TrajStore
+from laminar_jax.sim.stats import interval_stats, percentile_sorted, steady_state, summarise
 from laminar_jax.weights import chain
 
 __all__ = ["Sim", "CapReached"]
-
-
-def percentile_sorted(values: list[float], q: float) -> float:
-    """np.percentile(values, q) (linear interpolation) of an ascending list, in plain python:
-    the KV sampler calls it ~1e3 times per cell on a few hundred values, where numpy's
-    per-call overhead was ~5% of a paper table."""
-    pos = q / 100.0 * (len(values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 class CapReached(RuntimeError):
@@ -40,11 +30,8 @@ class CapReached(RuntimeError):
     events before its learner made the requested updates: its throughput would be meaningless,
     so this is an error naming the cap and the cell instead of a NaN."""
 
+
 _GROUP_CHUNK = 256
-# steady-state check (Sim.steady_state): largest fitted drift over the measured updates of the
-# buffer occupancy (share of its capacity) and of the mean staleness (versions)
-STEADY_OCCUPANCY = 0.5
-STEADY_STALENESS = 1.0
 
 
 class Sim:
@@ -448,30 +435,10 @@ class Sim:
         }
 
     def interval_stats(self, a: dict, b: dict) -> dict:
-        """Idle fractions, KV use and generation rate between two snapshots."""
-        dt = b["time"] - a["time"]
-        tp = self.system.rollout_tp
-        if self.system.colocated:
-            role = (b["gen_role"] - a["gen_role"]) * len(self.rollouts)
-        else:
-            role = b["alive"] - a["alive"]
-        busy = b["busy"] - a["busy"]
-        learner = b["learner"] - a["learner"]
-        rollout_idle = 1.0 - busy / role if role > 0 else float("nan")
-        if self.system.colocated:
-            learner_idle = 0.0
-            acc_idle = (role - busy) * tp / (self.cell.accelerators * dt) if dt > 0 else 0.0
-        else:
-            learner_idle = 1.0 - learner / dt if dt > 0 else float("nan")
-            acc_idle = (((role - busy) * tp + (dt - learner) * self.cell.train)
-                        / (self.cell.accelerators * dt)) if dt > 0 else float("nan")
-        return {
-            "rollout_idle_frac": rollout_idle,
-            "learner_idle_frac": learner_idle,
-            "accelerator_idle_frac": acc_idle,
-            "kv_use": (b["kv"] - a["kv"]) / role if role > 0 else float("nan"),
-            "gen_tokens_per_s": (b["gen_tokens"] - a["gen_tokens"]) / dt if dt > 0 else 0.0,
-        }
+        """Idle fractions, KV use and generation rate between two snapshots (`stats.interval_stats`)."""
+        return interval_stats(a, b, colocated=self.system.colocated, rollout_tp=self.system.rollout_tp,
+                              accelerators=self.cell.accelerators, train_accelerators=self.cell.train,
+                              num_rollouts=len(self.rollouts))
 
     def _record_step(self) -> None:
         pairs = self._step_trajs
@@ -581,44 +548,14 @@ class Sim:
         return list(ids)
 
     def steady_state(self) -> dict:
-        """Whether the measured updates are a steady state, not a filling pipeline.
-
-        Over the measured updates (after warm-up), fit a line to the buffer occupancy (buffered
-        + held groups, at each update) and to the mean staleness per update. Steady iff the
-        occupancy's fitted drift over the window stays within STEADY_OCCUPANCY of the buffer
-        capacity and the staleness drift within STEADY_STALENESS versions: a buffer growing
-        without bound, or staleness rising by about one per update, fails both.
-        """
-        meas = self.steps[self.cfg.run.warmup_steps:]
-        cap = self.buffer.capacity
-        if len(meas) < 2:
-            return {"steady": len(meas) == 1, "occupancy_drift": 0.0, "staleness_drift": 0.0}
-        x = np.arange(len(meas), dtype=np.float64)
-        occ = np.array([s["buffer_groups"] + s["held_groups"] for s in meas], np.float64)
-        stale = np.array([s["staleness_mean"] for s in meas], np.float64)
-        span = float(x[-1])
-        occ_drift = float(np.polyfit(x, occ, 1)[0]) * span / cap
-        stale_drift = float(np.polyfit(x, stale, 1)[0]) * span
-        steady = abs(occ_drift) <= STEADY_OCCUPANCY and abs(stale_drift) <= STEADY_STALENESS
-        return {"steady": bool(steady), "occupancy_drift": occ_drift,
-                "staleness_drift": stale_drift}
+        """Whether the measured updates are a steady state (`stats.steady_state`)."""
+        return steady_state(self.steps, warmup_steps=self.cfg.run.warmup_steps, capacity=self.buffer.capacity)
 
     def summary(self) -> dict:
         """Throughput and idle over the measured steps (after warm-up) [P §8 metric]."""
-        w = self.cfg.run.warmup_steps
-        meas = self.steps[w:]
-        if not meas:
-            return {"throughput": float("nan"), "steps": len(self.steps), "steady": False}
-        out = {"throughput": float(np.mean([s["throughput"] for s in meas])),
-               "steps": len(self.steps), "measured_steps": len(meas),
-               "iteration_s": float(np.mean([s["iteration_s"] for s in meas]))}
-        for key in ("rollout_idle_frac", "learner_idle_frac", "accelerator_idle_frac",
-                    "kv_use", "gen_tokens_per_s", "staleness_mean"):
-            vals = [s[key] for s in meas if not math.isnan(s[key])]
-            out[key] = float(np.mean(vals)) if vals else float("nan")
-        out["staleness_max"] = int(max(s["staleness_max"] for s in meas))
-        out["buffer_groups_mean"] = float(np.mean([s["buffer_groups"] for s in meas]))
-        out["held_groups_mean"] = float(np.mean([s["held_groups"] for s in meas]))
+        out = summarise(self.steps, warmup_steps=self.cfg.run.warmup_steps)
+        if "measured_steps" not in out:
+            return out
         out["evicted_groups"] = len(self.buffer.evicted)
         out["dropped_stale_groups"] = len(self.buffer.dropped_stale)
         out["weight_wait_s"] = (float(np.mean(self.weight_waits)) if self.weight_waits
