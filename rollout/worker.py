@@ -21,10 +21,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import ray
 
 from laminar_jax.data.records import PartialTrajectory, PromptGroup, Trajectory, parse_request_id, request_id
@@ -35,6 +33,7 @@ from rollout.engine import Request, SamplingParams
 from rollout.episode import done_state, is_done_state
 from rollout.multiturn import MultiTurn
 from rollout.rpc import call, node_id, send
+from rollout.scoring import GroupScorer, GroupState
 
 # longest an idle rollout blocks waiting for newer weights before it asks the data actor for work
 # again (work not tied to a new version: re-queued groups, a buffer that drained)
@@ -43,16 +42,6 @@ IDLE_WAIT_S = 0.1
 # a hung data actor: the rollout fails with an error naming the call (the manager's heartbeat
 # sees it and replaces the rollout) instead of holding its lock, and so its heartbeats, for good
 DATA_CALL_TIMEOUT_S = 60.0
-
-
-@dataclass
-class _Group:
-    group: PromptGroup
-    issued: float
-    done: dict = field(default_factory=dict)          # sample index -> PartialTrajectory (finished)
-    repacks: dict = field(default_factory=dict)       # sample index -> repack count
-    timings: dict = field(default_factory=dict)       # sample index -> (first_token, finished)
-    env: dict = field(default_factory=dict)           # multi-turn: sample index -> (reward, turn stats)
 
 
 class RolloutWorker:
@@ -69,9 +58,8 @@ class RolloutWorker:
         self.mode = cfg.manager.mode
         self._make_engine, self.tokenizer, self.reward = make_engine, tokenizer, reward
         self.engine = None
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, GroupState] = {}
         self.undelivered: list[list[Trajectory]] = []
-        self._scoring: list = []  # (group, texts, pending rewards): scored off the decode loop
         self._lock, self._stop = threading.RLock(), threading.Event()
         self._released, self.failed = False, None
         self._events: list[dict] = []
@@ -92,6 +80,9 @@ class RolloutWorker:
                                        max_new_tokens=r.max_new_tokens,
                                        stop_token_ids=tuple(tokenizer.stop_token_ids))
         self.groups_per_batch = max(1, r.max_concurrency // cfg.data.group_size)
+        # finished groups are scored off the decode loop
+        self.scorer = GroupScorer(rollout_id, tokenizer, self.sampling.stop_token_ids, reward, self.counters,
+                                  self._event)
         # multi-turn (env.name set): trajectories alternate engine turns and env steps
         self.turns = None
         env_cfg = getattr(cfg, "env", None)
@@ -188,7 +179,7 @@ class RolloutWorker:
         self._retry_undelivered()
         # groups being scored count as undelivered: new work waits for them as it did when scoring
         # blocked the loop (the mode's batch rules are unchanged); decoding goes on meanwhile
-        if not self.undelivered and not self._scoring and (not self.groups or modes.refills_continuously(self.mode)) \
+        if not self.undelivered and not self.scorer.busy() and (not self.groups or modes.refills_continuously(self.mode)) \
                 and not self._catching_up():
             self._take()
         if self.turns is not None:
@@ -301,7 +292,7 @@ class RolloutWorker:
         self._event("batch", version=self.engine.weight_version, group_ids=[g.group_id for g in groups],
                     fresh=not self.groups, decided_t=decided)
         for g in groups:
-            self.groups[g.group_id] = _Group(g, now)
+            self.groups[g.group_id] = GroupState(g, now)
             try:
                 self.engine.add(self.turns.start(g, self.engine.weight_version) if self.turns is not None else
                                 [Request(rid, g.prompt_tokens, self.sampling, g.group_id) for rid in g.request_ids()])
@@ -314,7 +305,7 @@ class RolloutWorker:
                 self._event("group_rejected", group_id=g.group_id, error=str(e))
 
     # ------------------------------------------------------------------ finished samples
-    def _record(self, p, finish_reason: str | None, group: _Group, index: int) -> PartialTrajectory:
+    def _record(self, p, finish_reason: str | None, group: GroupState, index: int) -> PartialTrajectory:
         mask = None if self.turns is None else self.turns.loss_mask(p.request_id, len(p.response_tokens))
         return PartialTrajectory(p.group_id, index, self.id, p.prompt_tokens, p.response_tokens,
                                  p.raw_logp, p.logp, p.versions, group.group.prompt_id,
@@ -363,78 +354,16 @@ class RolloutWorker:
             self.counters["reward_s"] += time.perf_counter() - t0
             self._retry_undelivered()
 
-    def _decode(self, tokens, key) -> str | None:
-        """The completion text, or None (logged and counted) when the tokenizer cannot decode it."""
-        try:
-            return self.tokenizer.decode([int(x) for x in tokens if int(x) not in self.sampling.stop_token_ids])
-        except Exception as e:  # noqa: BLE001 - a bad id must cost one sample, never the loop
-            self.counters["decode_errors"] += 1
-            self._event("decode_error", group_id=key[0], sample_index=key[1], error=f"{type(e).__name__}: {e}")
-            return None
-
-    def _score(self, group: _Group) -> None:
-        """Decode a finished group and start its rewards (the reward pool works while we decode)."""
+    def _score(self, group: GroupState) -> None:
         g = group.group
         if self.turns is not None:  # the environment's rewards: nothing to score
-            self.undelivered.append(self._trajectories(group, [group.env[i][0] for i in range(g.group_size)]))
-            return
-        texts = [self._decode(group.done[i].response_tokens, (g.group_id, i)) for i in range(g.group_size)]
-        try:
-            pending = self.reward.submit_group(g, [t for t in texts if t is not None])
-        except Exception as e:  # noqa: BLE001 - reported by _scores
-            pending = e
-        self._scoring.append((group, texts, pending))
-
-    def _collect_scored(self) -> None:
-        still = []
-        for group, texts, pending in self._scoring:
-            if isinstance(pending, Exception) or pending.done():
-                self.undelivered.append(self._trajectories(group, self._scores(group.group, texts, pending)))
-            else:
-                still.append((group, texts, pending))
-        self._scoring = still
-
-    def _scores(self, g: PromptGroup, texts: list[str | None], pending) -> list[float]:
-        """Rewards of a group; a reward that raises or is not finite scores 0, logged and counted."""
-        out = [0.0] * len(texts)
-        ok = [i for i, t in enumerate(texts) if t is not None]
-        try:
-            if isinstance(pending, Exception):
-                raise pending
-            results = pending.results()
-        except Exception as e:  # noqa: BLE001 - a reward that is not a RewardScorer may raise
-            self.counters["reward_errors"] += len(ok)
-            self._event("reward_error", group_id=g.group_id, error=f"{type(e).__name__}: {e}")
-            return out
-        for i, result in zip(ok, results):
-            if result.error is not None:
-                self.counters["reward_errors"] += 1
-                fields = result.error.to_event()
-                fields["error_kind"] = fields.pop("kind", None)  # "kind" names the event itself
-                self._event("reward_error", **fields)
-            elif not np.isfinite(result.value):
-                self.counters["reward_errors"] += 1
-                self._event("reward_error", group_id=g.group_id, sample_index=i, error=f"value {result.value}")
-            else:
-                out[i] = float(result.value)
-        return out
-
-    def _trajectories(self, group: _Group, rewards: list[float]) -> list[Trajectory]:
-        g = group.group
-        out = []
-        for i, reward in enumerate(rewards):
-            p = group.done[i]
-            first, done = group.timings.get(i, (time.time(), time.time()))
-            out.append(Trajectory(g.group_id, g.prompt_id, i, self.id, p.prompt_tokens, p.response_tokens,
-                                  p.behaviour_logp, p.sample_logp, p.token_versions,
-                                  int(p.token_versions[-1]) if p.num_tokens else self.engine.weight_version,
-                                  reward, p.finish_reason,
-                                  p.repack_count, {"issued": group.issued, "first_token": first, "finished": done},
-                                  loss_mask=p.loss_mask, turn_stats=group.env.get(i, (0.0, {}))[1]))
-        return out
+            rewards = [group.env[i][0] for i in range(g.group_size)]
+            self.undelivered.append(self.scorer.trajectories(group, rewards, self.engine.weight_version))
+        else:
+            self.scorer.submit(group)
 
     def _retry_undelivered(self) -> None:
-        self._collect_scored()
+        self.undelivered.extend(self.scorer.collect(self.engine.weight_version))
         while self.undelivered:
             t0 = time.perf_counter()
             ok = self._data_call("deliver", self.undelivered[0])
@@ -498,7 +427,7 @@ class RolloutWorker:
         with self._lock:
             if self.engine is None or self.engine.weight_version != version:
                 return False
-            by_group = {g.group_id: _Group(g, time.time()) for g in groups}
+            by_group = {g.group_id: GroupState(g, time.time()) for g in groups}
             requests = []
             for p in partials:
                 if p.num_tokens and int(p.token_versions.min()) != version and not modes.interrupts_on_publish(self.mode):
