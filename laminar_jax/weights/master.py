@@ -22,7 +22,7 @@ import numpy as np
 from laminar_jax.weights import flat
 from laminar_jax.weights.chain import optimal_chunks
 
-__all__ = ["MasterRole", "prepare", "prepare_pinned", "pin", "prune"]
+__all__ = ["MasterRole", "prepare", "prepare_pinned", "read_pinned", "pin", "prune"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +93,13 @@ def prune(role: MasterRole, version: int) -> list[int]:
     return publish.prune_store(store, version)
 
 
-_PIN = re.compile(r"^v\d{10}\.standby-(\d+)$")
+# a pin's name: the version's, its reader (the standby, a rollout's StoreSource, a prune in
+# progress: `WeightStore.delete`) and the reader's pid
+_PIN = re.compile(r"^v\d{10}\.(?:standby|reader|pruned)-(\d+)$")
 
 
 def _remove_dead_pins(root: str) -> None:
-    """Pins a killed standby left (each holds a version's data while its links last)."""
+    """Pins a killed reader left (each holds a version's data while its links last)."""
     for name in os.listdir(root):
         m = _PIN.match(name)
         if m is None:
@@ -110,18 +112,21 @@ def _remove_dead_pins(root: str) -> None:
             pass
 
 
-def pin(store: Any, version: int) -> str | None:
+def pin(store: Any, version: int, reader: str = "standby") -> str | None:
     """A private copy of `version`'s folder made of hard links (no bytes copied), beside it in
-    the store: `v{version}.standby-{pid}`; None when the version is gone (pruned meanwhile).
+    the store: `v{version}.{reader}-{pid}`; None when the version is gone (pruned meanwhile).
 
-    A reader other than the master (the standby following the store) may find the version it
-    reads pruned by the master under it, once the master has taken a newer one. Orbax then
-    fails half-way, and tensorstore's reads still in flight complete on orbax's closed event
-    loop ("Event loop is closed" tracebacks). Files keep their data while a link is left, so
-    reading the pinned copy never races the prune. The name matches the store's entries
-    (`run_folder` removes a pin a killed reader left with its store); `store.versions()` skips it."""
+    A reader other than the master (the standby following the store, a rollout reading the
+    store because no relay answers) may find the version it reads pruned by the master under
+    it, once the master has taken a newer one. Orbax then fails half-way, and tensorstore's
+    reads still in flight complete on orbax's closed event loop ("Event loop is closed"
+    tracebacks). Files keep their data while a link is left, so reading the pinned copy never
+    races the prune. The copy is whole or None: a prune first renames the version's folder
+    (`WeightStore.delete`), so a link made after that fails instead of missing a file. The name
+    matches the store's entries (`run_folder` removes a pin a killed reader left with its
+    store, and so does the next prune on its host); `store.versions()` skips it."""
     src = store.path(version)
-    dst = f"{src}.standby-{os.getpid()}"
+    dst = f"{src}.{reader}-{os.getpid()}"
     shutil.rmtree(dst, ignore_errors=True)
 
     def fail(error: OSError) -> None:
@@ -150,5 +155,26 @@ def prepare_pinned(role: MasterRole, version: int, *,
         return None
     try:
         return prepare(role, version, path, allocate=allocate)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_pinned(store: Any, version: int) -> dict | None:
+    """Host numpy params of `version` (as `publish.read_version`), read from a pin so that the
+    master's prune cannot pull files from under the read; None when it was pruned before it
+    could be pinned. Read through a task on the store's node when this process cannot see it."""
+    from laminar_jax.weights import publish
+    if os.path.isdir(store.root):
+        return _read_pinned_here(store, version)
+    return publish._on_store_node(store, _read_pinned_here, store, version)
+
+
+def _read_pinned_here(store: Any, version: int) -> dict | None:
+    from laminar_jax.weights import publish
+    path = pin(store, version, reader="reader")
+    if path is None:
+        return None
+    try:
+        return publish.read_path(store, path)
     finally:
         shutil.rmtree(path, ignore_errors=True)

@@ -101,8 +101,20 @@ class WeightStore:
         return self.shared or self.node_id is None or node_id is None or node_id == self.node_id
 
     def delete(self, version: int, *, temporary: bool = False) -> None:
-        """Removes a finalized version (and, with `temporary`, its unfinished orbax folders)."""
-        shutil.rmtree(self.path(version), ignore_errors=True)
+        """Removes a finalized version (and, with `temporary`, its unfinished orbax folders).
+
+        The folder is renamed first (atomic), then removed: a reader pinning it meanwhile
+        (`master.pin`) either linked every file before the rename or fails, never holds a
+        copy with files missing. A prune killed between the two leaves `v...pruned-{pid}`,
+        which the next prune on this host removes (`master.prune`)."""
+        path = self.path(version)
+        gone = f"{path}.pruned-{os.getpid()}"
+        shutil.rmtree(gone, ignore_errors=True)   # left by a killed prune whose pid was reused
+        try:
+            os.rename(path, gone)
+        except FileNotFoundError:   # pruned already
+            pass
+        shutil.rmtree(gone, ignore_errors=True)
         if temporary:
             for name in os.listdir(self.root):
                 m = _TMP_DIR.match(name)

@@ -151,15 +151,16 @@ class RelayWorker:
         return self.name
 
     def prepare_standby(self, role: master.MasterRole | None = None,
-                        wait_s: float = STANDBY_WAIT_S) -> None:
+                        wait_s: float = STANDBY_WAIT_S, *, after_failover: bool = False) -> None:
         """The group's next master in line gets ready ahead of time: given `role`, it follows
         the weight store at the lowest CPU priority (`weights.standby`): each committed version
         it does not serve yet is restored, converted and checksummed into a buffer of its own,
         so a promotion serves the newest version without reading the store, and the process's
-        first orbax restore (seconds of CPU more than later ones) is paid ahead. The first read
-        waits (up to `wait_s`) until this relay serves a version newer than the one it served
-        when asked: a standby named at a failover must not take cores from the new master's
-        first broadcast. Without `role`: only the imports a master needs."""
+        first orbax restore (seconds of CPU more than later ones) is paid ahead. It follows at
+        once, unless `after_failover`: then its first read waits (up to `wait_s`) until this
+        relay serves a version newer than the one it served when asked, so that it takes no
+        cores from the new master's first broadcast. Without `role`: only the imports a master
+        needs."""
         if self._role is not None or self._stopping.is_set():
             return
         old = self._standby
@@ -172,10 +173,11 @@ class RelayWorker:
                 from laminar_jax.weights import publish  # noqa: F401
             threading.Thread(target=imports, name="standby-imports", daemon=True).start()
             return
+        served = self._versions.current_version
+        first_after = (-1 if served is None else served) if after_failover else None
         self._standby = Standby(role, served=lambda: self._versions.current_version,
                                 allocate=None if self._pool is None else self._pool.take,
-                                log=self._log, first_after=self._versions.current_version,
-                                wait_s=wait_s).start()
+                                log=self._log, first_after=first_after, wait_s=wait_s).start()
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Clean shutdown: no more messages are handled, the one in hand (a master step, which
@@ -273,7 +275,8 @@ class RelayWorker:
                 # orbax restores of the store: master steps, and the standby's follower
                 "store_reads": self._reads + (0 if standby is None else standby.reads),
                 "standby_prepared": None if standby is None or standby.prepared is None
-                else standby.prepared.manifest.version}
+                else standby.prepared.manifest.version,
+                "standby_caught_up": standby is not None and standby.caught_up()}
 
     def drain_events(self) -> list[dict]:
         with self._events_lock:

@@ -21,8 +21,8 @@ out; its upstream is re-pointed at its downstream and resends the chunks the dow
 the master died, the next relay of the chain becomes master and the publisher (and every
 `on_master_change` callback) is told, so the newest published version is announced to it again.
 That relay is warm: the next master in line follows the weight store as a standby
-(`RelayWorker.prepare_standby`, `weights.standby`), preparing each committed version it lacks,
-so a promotion serves the newest version without an orbax restore, and a failover costs about a
+(`RelayWorker.prepare_standby`, `weights.standby`), preparing each committed version it lacks
+(one named at a failover starts after the new master's first broadcast), so a promotion serves the newest version without an orbax restore, and a failover costs about a
 normal broadcast, not a process's first orbax restore. A dead relay whose node is still alive is started again (up to
 `max_restarts` per group) and appended to the chain; its upstream resends it the current
 version. The start does not block the group (the heartbeat moves it on), and after a master
@@ -205,17 +205,18 @@ class RelayGroup:
         ray.get(self.master.configure_master.remote(role), timeout=CALL_TIMEOUT_S)
         return role
 
-    def _standby_for(self, role: MasterRole) -> None:
-        """Warms the next master in line (`RelayWorker.prepare_standby`) when it changed."""
+    def _standby_for(self, role: MasterRole, *, failover: bool = False) -> None:
+        """Warms the next master in line (`RelayWorker.prepare_standby`) when it changed; one
+        named at a failover starts following after the new master's first broadcast."""
         standby = self.order[1] if len(self.order) > 1 else None
         if standby is not None and standby != self._standby:
-            self.relays[standby].prepare_standby.remote(role)
+            self.relays[standby].prepare_standby.remote(role, after_failover=failover)
         self._standby = standby
 
-    def _make_master(self) -> None:
+    def _make_master(self, failover: bool = False) -> None:
         """Makes the chain's head the master and tells the publisher and callbacks; the next
         relay in line warms up as standby master (`RelayWorker.prepare_standby`)."""
-        self._standby_for(self._configure_master())
+        self._standby_for(self._configure_master(), failover=failover)
         master = self.master
         if self._publisher is not None:
             self._publisher.set_master(master)
@@ -255,15 +256,17 @@ class RelayGroup:
                                             timeout=CALL_TIMEOUT_S)))
 
     def standby_warm(self, timeout_s: float = 10.0) -> bool | None:
-        """Whether the next master in line has run a master step (`prepare_standby`); None when
-        there is none. A master killed before its standby is warm fails over to a cold relay,
-        whose first orbax restore takes seconds (the chaos benchmark waits for this)."""
+        """Whether the next master in line is warm (it ran a master step, `prepare_standby`)
+        and has the master's newest version, served or prepared, with no read in flight; None
+        when there is none. A master killed before its standby is warm fails over to a cold
+        relay, whose first orbax restore takes seconds (the chaos benchmark and the relay
+        cluster's failover test wait for this)."""
         with self._lock:
             if len(self.order) < 2:
                 return None
             standby = self.relays[self.order[1]]
         try:
-            return bool(ray.get(standby.status.remote(), timeout=timeout_s)["warm"])
+            return bool(ray.get(standby.status.remote(), timeout=timeout_s)["standby_caught_up"])
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
@@ -410,7 +413,7 @@ class RelayGroup:
         if was_master:
             self._events("master_failover", old=node, new=self.order[0])
             self._wire(self.order, only={self.order[0]})
-            self._make_master()
+            self._make_master(failover=True)
         elif self.topology == "fanout":
             self._wire(self.order, only={self.order[0]})
         else:

@@ -314,7 +314,9 @@ class RelaySource(WeightSource):
 
 
 class StoreSource(WeightSource):
-    """Reads the newest finalized version straight from the learner's weight store."""
+    """Reads the newest finalized version straight from the learner's weight store, through a
+    pin (`master.read_pinned`): the master prunes a version once it holds a newer one, and a
+    read it pruned under would fail half-way (and print tensorstore's "Event loop is closed")."""
 
     def __init__(self, store: Any, model_cfg: Any):
         self.store, self.model_cfg = store, model_cfg
@@ -328,13 +330,15 @@ class StoreSource(WeightSource):
 
     def newer_than(self, version: int) -> tuple[int, dict] | None:
         from laminar_jax.models.hf import params_to_hf
-        from laminar_jax.weights.publish import read_version
+        from laminar_jax.weights.master import read_pinned
 
         versions = self.store.versions()
         if not versions or versions[-1] <= version:
             return None
         try:
-            tree = read_version(self.store, versions[-1])
-        except (FileNotFoundError, ValueError):  # pruned or replaced while reading: next poll
+            tree = read_pinned(self.store, versions[-1])
+        except (FileNotFoundError, ValueError):  # the store removed (the run ended): next poll
+            return None
+        if tree is None:   # pruned before it was pinned: a newer one is there, next poll
             return None
         return versions[-1], params_to_hf(self.model_cfg, tree)

@@ -12,9 +12,12 @@ serves and broadcasts it without reading the store; if the follower is reading e
 version right then, promotion waits for that read instead of starting a second.
 
 Following also keeps the standby warm (its first orbax restore, seconds of CPU more than later
-ones, is paid ahead), which `RelayGroup.standby_warm` reports. The store must be visible from
-the standby's process (the same host, or a shared file system); else it only imports what a
-master needs.
+ones, is paid ahead); `caught_up` (what `RelayGroup.standby_warm` reports) says it is warm and
+has the store's newest version, served or prepared. The store must be visible from the
+standby's process (the same host, or a shared file system); else it only imports what a master
+needs. Visibility is judged once the relay serves a version: before the learner's first publish
+the store's folder may not exist yet (judged at once, every standby named with the group gave up
+for good as "not visible", and the first failover restored cold: 7-9x a normal broadcast).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -52,8 +55,9 @@ class Standby:
       served: the version this relay serves now (None: none).
       allocate: `n -> SharedBuffer` for the prepared buffers (None: numpy buffers).
       log: the relay's `(kind, **fields)` event sink.
-      first_after: the first read waits (up to wait_s) until `served()` is newer than this: a
-        standby named at a failover must not take cores from the new master's first broadcast.
+      first_after: None: follow at once. Else the first read waits (up to wait_s) until
+        `served()` is newer than this (-1: until it serves any): a standby named at a failover
+        must not take cores (its reads) from the new master's first broadcast.
     """
 
     def __init__(self, role: master.MasterRole, *, served: Callable[[], int | None],
@@ -94,9 +98,35 @@ class Standby:
         _release(prepared)
         return None
 
+    def caught_up(self) -> bool:
+        """Warm, no read in flight, and the store's newest version is served here or prepared:
+        a promotion now needs no store read (and no cold one for the next version)."""
+        served = self._served()
+        with self._cond:
+            prepared, reading = self.prepared, self.reading
+        if not self.warm or reading is not None:
+            return False
+        versions = self.role.store.versions()
+        have = max(-1 if served is None else served, -1 if prepared is None else prepared.manifest.version)
+        return not versions or versions[-1] <= have
+
     # ------------------------------------------------------------------ the follower
     def _visible(self) -> bool:
         return os.path.isdir(self.role.store.root)
+
+    def _wait_first(self, deadline: float) -> bool:
+        """Waits (until `deadline`) for the relay to serve a version newer than `first_after`
+        (named at a failover), and for the store to be visible; False: give up."""
+        while not self._stop.is_set():
+            served, late = self._served(), time.monotonic() >= deadline
+            if late or self._first_after is None or (served is not None and served > self._first_after):
+                if self._visible():
+                    return True
+                if served is not None or late:   # it serves a version: the store holds one
+                    self._log("standby_ready", warmed=False, error="weight store not visible from this relay")
+                    return False
+            self._stop.wait(FOLLOW_POLL_S if self._first_after is None else 0.5)
+        return False
 
     def _run(self) -> None:
         # imports at normal priority: the loop thread of a master elected meanwhile waits for
@@ -104,15 +134,8 @@ class Standby:
         import orbax.checkpoint  # noqa: F401
         from laminar_jax.weights import publish  # noqa: F401
         self._tid = threading.get_native_id()
-        if not self._visible():
-            self._log("standby_ready", warmed=False, error="weight store not visible from this relay")
+        if not self._wait_first(time.monotonic() + self._wait_s):
             return
-        deadline = time.monotonic() + self._wait_s
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            served = self._served()
-            if served is not None and (self._first_after is None or served > self._first_after):
-                break
-            self._stop.wait(0.5)
         while not self._stop.is_set():
             self._follow_once()
             if self.warm:   # the warm-up read ran at normal priority, as a promotion's would

@@ -90,6 +90,28 @@ def test_promoted_standby_serves_the_newest_version_without_reading_the_store(tm
         pub.close()
 
 
+def test_a_standby_named_before_the_store_exists_follows_its_first_version(tmp_path):
+    # a group names its standby before the learner's first publish creates the store's folder:
+    # judged "not visible" then, the standby gave up for good and the first failover restored
+    # cold (7-9x a normal broadcast in test_relay_cluster)
+    store = publish.WeightStore(str(tmp_path / "store"))
+    role = master.MasterRole(store=store, cfg=CFG, chain_length=2, num_chunks=3)
+    relay, pub = RelayWorker("standby", host="127.0.0.1"), None
+    try:
+        relay.prepare_standby(role)
+        time.sleep(0.3)
+        assert not os.path.isdir(store.root) and not _kinds(relay, "standby_ready")
+        _, pub, write = _publisher(tmp_path)
+        write(1)
+        _wait(lambda: relay.status()["standby_prepared"] == 1, "the standby to prepare v1")
+        assert [e["warmed"] for e in _kinds(relay, "standby_ready")] == [True]
+        assert relay.status()["standby_caught_up"]
+    finally:
+        relay.stop()
+        if pub is not None:
+            pub.close()
+
+
 def test_stop_waits_for_the_master_step_in_hand_and_ignores_later_publishes(tmp_path):
     store, pub, write = _publisher(tmp_path)
     write(1)
