@@ -72,6 +72,9 @@ class Standby:
         self.reading: int | None = None    # the version being read now
         self.reads = 0                     # store reads (orbax restores) made by the follower
         self.warm = False
+        # a committed version that failed to read (torn, corrupt) stays so: it is reported once
+        # and skipped until a newer one is committed, not re-read every poll
+        self.failed: int | None = None
         self._thread = threading.Thread(target=self._run, name="standby-follow", daemon=True)
 
     def start(self) -> "Standby":
@@ -156,7 +159,7 @@ class Standby:
         have = max(served, -1 if prepared is None else prepared.manifest.version)
         # the first read warms the follower (orbax, the conversion, the page cache) even when
         # the chain already delivered the newest version: a promotion then restores warm
-        if newest is None or self._stop.is_set() or (newest <= have and self.warm):
+        if newest is None or self._stop.is_set() or (newest <= have and self.warm) or newest == self.failed:
             return
         with self._cond:
             self.reading = newest
@@ -182,6 +185,7 @@ class Standby:
             for buf in shared:
                 buf.release()
             if error is not None:
+                self.failed = newest
                 self._log("standby_error", version=newest, error=repr(error))
             return
         if not self.warm:

@@ -112,6 +112,32 @@ def test_a_standby_named_before_the_store_exists_follows_its_first_version(tmp_p
             pub.close()
 
 
+def test_a_torn_newest_version_is_reported_once_and_the_next_one_is_prepared(tmp_path):
+    # a committed version whose files are damaged stays damaged: one standby_error, not one per
+    # poll (FOLLOW_POLL_S, 20 a second), and the next committed version is followed as usual
+    store, pub, write = _publisher(tmp_path)
+    write(1)
+    for root, _, files in os.walk(store.path(1)):
+        for name in files:
+            if "metadata" not in name:
+                open(os.path.join(root, name), "wb").close()   # truncated to nothing
+    role = master.MasterRole(store=store, cfg=CFG, chain_length=2, num_chunks=3)
+    relay = RelayWorker("standby", host="127.0.0.1")
+    try:
+        relay.prepare_standby(role, wait_s=0.0)
+        _wait(lambda: _kinds(relay, "standby_error"), "the standby to fail on the torn v1")
+        time.sleep(1.0)   # 20 polls
+        assert [e["version"] for e in _kinds(relay, "standby_error")] == [1]
+        assert relay.status()["store_reads"] == 0 and not relay.status()["standby_caught_up"]
+        write(2)
+        _wait(lambda: relay.status()["standby_prepared"] == 2, "the standby to prepare v2")
+        assert [e["version"] for e in _kinds(relay, "standby_error")] == [1]
+        assert relay.status()["standby_caught_up"]
+    finally:
+        relay.stop()
+        pub.close()
+
+
 def test_stop_waits_for_the_master_step_in_hand_and_ignores_later_publishes(tmp_path):
     store, pub, write = _publisher(tmp_path)
     write(1)
