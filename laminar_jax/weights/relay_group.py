@@ -22,9 +22,10 @@ the master died, the next relay of the chain becomes master and the publisher (a
 `on_master_change` callback) is told, so the newest published version is announced to it again.
 That relay is warm: the next master in line follows the weight store as a standby
 (`RelayWorker.prepare_standby`, `weights.standby`), preparing each committed version it lacks
-(one named at a failover starts after the new master's first broadcast), so a promotion serves the newest version without an orbax restore, and a failover costs about a
-normal broadcast, not a process's first orbax restore. A dead relay whose node is still alive is started again (up to
-`max_restarts` per group) and appended to the chain; its upstream resends it the current
+(one named at a failover starts after the new master's first broadcast), so a promotion
+serves the newest version without an orbax restore, and a failover costs about a normal
+broadcast, not a process's first orbax restore. A dead relay whose node is still alive is
+started again (up to `max_restarts` per group) and appended to the chain; its upstream resends it the current
 version. The start does not block the group (the heartbeat moves it on), and after a master
 failover it waits for the new master's first broadcast and RESTART_SETTLE_S more while the rollouts
 load it (RESTART_DEFER_S at most): a relay process starting takes the cores they need.
