@@ -276,9 +276,9 @@ def main(argv=None) -> dict:
     # lands in a short run is chance; the priming run below fills the cache first.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(args.work, "jax-cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    from laminar_jax.runtime import cluster, driver
+    from laminar_jax.runtime import cluster, driver, warm_up
     warm_cfg = config(args.work, "warm", None, args, {"sft.steps": 60})
-    model_dir = driver.warm_up(warm_cfg, os.path.join(args.work, "warm"))
+    model_dir = warm_up.run(warm_cfg, os.path.join(args.work, "warm"))
     cluster.start(warm_cfg)
     runs: dict = {}
     path = os.path.join(args.out, f"{args.name}.json")

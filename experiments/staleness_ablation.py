@@ -28,7 +28,7 @@ staleness the learner sees; no extra knob is needed):
     sync    manager.mode sync: the on-policy reference (staleness 0; every correction is then the
             identity up to the engine-vs-learner mismatch), not part of the default --levels
 
-The supervised warm-up runs once (`driver.warm_up`, into --work/warm) and every run starts RL from
+The supervised warm-up runs once (`runtime.warm_up.run`, into --work/warm) and every run starts RL from
 that model (model.hf_path); one Ray cluster and the persistent XLA compile cache serve every run.
 Runs go in sequence, cells interleaved (seed-major, arms in a rotating order) so a drift of the
 shared machine's load hits every arm alike.
@@ -456,12 +456,12 @@ def main(argv=None) -> dict:
         print(f"{len(kept)} cells already finished in {args.work}, kept", flush=True)
     if plan:
         import ray
-        from laminar_jax.runtime import cluster, driver
+        from laminar_jax.runtime import cluster, driver, warm_up
         from laminar_jax.config import load_config
         warm_cfg = load_config(os.path.join(ARM_DIR, "none.yaml"),
                                [f"sft.steps={args.sft_steps}", f"run.out_dir={args.work}"])
         t0 = time.time()
-        model_dir = driver.warm_up(warm_cfg, os.path.join(args.work, "warm"))
+        model_dir = warm_up.run(warm_cfg, os.path.join(args.work, "warm"))
         print(f"warm-up: {time.time() - t0:.0f} s -> {model_dir}", flush=True)
         cluster.start(warm_cfg)
         try:

@@ -10,8 +10,8 @@ The driver starts the actors (`fleet.Fleet`), then, per learner step: ask the le
 iteration, kick the manager (repack right after a publish), gather rollout stats and events,
 write the run folder (metrics/ and trajectories/ part files, events.jsonl, trackers) and print
 a progress line. A model given as a preset (no `model.hf_path`) on a built-in task first gets the
-supervised warm-up of `laminar sft` (real post-training starts from an SFT model), trained on a
-thread while Ray starts. An existing
+supervised warm-up of `laminar sft` (real post-training starts from an SFT model), trained in a
+process of its own while Ray starts (`runtime.warm_up`). An existing
 run folder is resumed from its latest committed checkpoint, or refused, per `run.resume`
 (`run_folder.plan`, decided before Ray starts); a resumed run drops the rows the folder holds
 from the resumed step on, so every step and trajectory is logged once.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
 from typing import Any, Callable
 
@@ -35,52 +34,13 @@ from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
 from laminar_jax.manager import modes
 from laminar_jax.rewards.health import RewardWatch
-from laminar_jax.runtime import breakdown, cluster, compile_cache, engines, progress, run_folder
+from laminar_jax.runtime import breakdown, cluster, engines, progress, run_folder, warm_up
 from laminar_jax.runtime.fleet import Fleet
 from laminar_jax.runtime.events import EventLimiter
 from laminar_jax.runtime.liveness import Watchdog
 
 POLL_S = 1.0            # liveness check period while a step runs
 WARM_UP_TIMEOUT_S = 3600.0   # the supervised warm-up (sft.steps steps); past it: an error
-
-
-class _Background:
-    """fn(*args) on a daemon thread; `result(timeout)` returns its value or raises its error."""
-
-    def __init__(self, fn: Callable, *args: Any):
-        self._out: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="warm-up")
-        self._thread.start()
-
-    def _run(self, fn: Callable, args: tuple) -> None:
-        try:
-            self._out["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            self._out["error"] = e
-
-    def result(self, timeout: float) -> Any:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the supervised warm-up (sft.steps) did not finish within {timeout:.0f} s")
-        if "error" in self._out:
-            raise self._out["error"]
-        return self._out["value"]
-
-
-def warm_up(cfg: Any, run_dir: str) -> str:
-    """Supervised warm-up into `<run_dir>/sft/sft_model` (reused when already there, e.g. made by
-    `laminar sft` with the same run name)."""
-    model_dir = os.path.join(run_dir, "sft", "sft_model")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        from laminar_jax.learner import sft
-        compile_cache.enable(cfg.run.compile_cache)   # the warm-up's compiles (its only jax user here)
-        # sft.run writes to <out_dir>/<name>/sft: point that at run_dir/sft
-        sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(
-            cfg.run, out_dir=os.path.dirname(os.path.abspath(run_dir)), name=os.path.basename(os.path.abspath(run_dir)),
-            log_every=max(1, cfg.sft.steps // 10)))
-        print(f"warm-up: {cfg.sft.steps} supervised steps on {cfg.data.task} before RL", flush=True)
-        sft.run(sft_cfg)
-    return model_dir
 
 
 def _log_events(log: Callable[..., None], events: list[dict]) -> None:
@@ -136,15 +96,19 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     clock = progress.StartupClock(say)
     warm = None
     if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
-        # the warm-up trains in a thread while Ray starts (ray.init keeps the main thread: its
-        # SIGTERM handler); daemon, so a failed Ray start is reported without waiting for it
-        warm = _Background(warm_up, cfg, run_dir)
-    owns_ray = cluster.start(cfg)
+        warm = warm_up.WarmUp(cfg, run_dir)   # its own process, while Ray starts
+    try:
+        owns_ray = cluster.start(cfg)
+    except BaseException:
+        if warm is not None:
+            warm.stop()
+        raise
     clock.mark("ray", "ray up" if owns_ray else "ray (already running)")
     if warm is not None:
         try:
             model_dir = warm.result(timeout=WARM_UP_TIMEOUT_S)
         except BaseException:
+            warm.stop()
             if owns_ray:
                 ray.shutdown()
             raise

@@ -1,10 +1,8 @@
 """Shared fixtures of the runtime tests: one emulated two-node Ray cluster for the package, and
 one supervised warm-up (the easy arithmetic task) whose Hugging Face checkpoint every run starts
 from. JAX's persistent compilation cache is shared by every actor, so later runs skip compiles."""
-import dataclasses
 import os
 
-import pytest
 import ray
 
 from laminar_jax.config import Config, load_config
@@ -60,20 +58,22 @@ def countdown_config(tmp_dir: str, name: str, model_dir: str, **sections) -> Con
 
 def countdown_warm_up(tmp_dir: str) -> str:
     """Supervised warm-up on noisy countdown demonstrations (a number skipped with probability
-    0.4 per step): a policy that counts but skips, which RL can sharpen within a few steps."""
-    from laminar_jax.learner import sft
+    0.4 per step): a policy that counts but skips, which RL can sharpen within a few steps.
+    `laminar sft` in its own process, as `laminar train` runs it (runtime.warm_up): with the XLA
+    flags of a run, not this process's -O0 (tests/conftest.py), under which it ran 2.7x slower."""
+    from laminar_jax.runtime import warm_up
     cfg = load_config("configs/default.yaml", [f"run.out_dir={tmp_dir}", "run.name=warm_countdown", *COUNTDOWN,
                                                "sft.steps=300", "sft.batch_size=32", "sft.seq_len=48",
-                                               "sft.demo_noise=0.4", "run.log_every=300"])
-    return sft.run(cfg)["model_dir"]
+                                               "sft.demo_noise=0.4"])
+    return warm_up.WarmUp(cfg, os.path.join(tmp_dir, "warm_countdown"), announce=False).result(timeout=1800)
 
 
 def warm_up_model(tmp_dir: str) -> str:
-    from laminar_jax.learner import sft
+    """Supervised warm-up on the arithmetic task (as `countdown_warm_up`, in its own process)."""
+    from laminar_jax.runtime import warm_up
     cfg = load_config("configs/default.yaml", [f"run.out_dir={tmp_dir}", "run.name=warm", "data.task=arithmetic",
-                                               "sft.steps=100", "sft.batch_size=32", "sft.seq_len=32",
-                                               "run.log_every=100"])
-    return sft.run(cfg)["model_dir"]
+                                               "sft.steps=100", "sft.batch_size=32", "sft.seq_len=32"])
+    return warm_up.WarmUp(cfg, os.path.join(tmp_dir, "warm"), announce=False).result(timeout=1800)
 
 
 def cli_env(root: str) -> dict:

@@ -1,5 +1,5 @@
 """Start-up of `laminar train` (issue 20): what the driver process imports, and the warm-up
-running beside Ray's start (`driver._Background`)."""
+running beside Ray's start in a process of its own (`runtime.warm_up`)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -26,20 +25,34 @@ def test_the_driver_imports_no_jax_flax_or_orbax():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-def test_background_returns_the_value_raises_the_error_and_times_out():
-    from laminar_jax.runtime.driver import _Background
+def test_the_warm_up_runs_in_its_own_process_with_a_runs_xla_flags(tmp_path):
+    """`runtime.warm_up.WarmUp`: `laminar sft` in a child process with the XLA flags an actor
+    gets (not this process's, which carry the suite's -O0), its failure raised with the exit
+    code, a timeout stopping it, and a model already there reused without a process."""
+    from laminar_jax.config import load_config
+    from laminar_jax.runtime import warm_up
+    cfg = load_config("configs/default.yaml", [f"run.out_dir={tmp_path}", "run.name=r", "sft.seq_len=2"])
+    assert "optimization_level" in os.environ["XLA_FLAGS"]   # tests/conftest.py
+    assert warm_up._env(cfg)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+    two = load_config("configs/default.yaml", ["mesh.fsdp=2"])
+    assert warm_up._env(two)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
 
-    caller = threading.current_thread()
-    ran_in = []
-    job = _Background(lambda x: ran_in.append(threading.current_thread()) or x * 2, 21)
-    assert job.result(timeout=10) == 42 and ran_in[0] is not caller   # on its own thread
+    failing = warm_up.WarmUp(cfg, str(tmp_path / "r"), announce=False)   # no example fits 2 tokens
+    assert failing.proc.pid != os.getpid()
+    with pytest.raises(RuntimeError, match=r"warm-up .*laminar sft .*warm_up.yaml.* exit code 1"):
+        failing.result(timeout=300)
 
-    def boom():
-        raise ValueError("sft.seq_len too short")
-    with pytest.raises(ValueError, match="seq_len"):
-        _Background(boom).result(timeout=10)
+    slow = warm_up.WarmUp(load_config("configs/default.yaml", [f"run.out_dir={tmp_path}", "run.name=s"]),
+                          str(tmp_path / "s"), announce=False)
     with pytest.raises(TimeoutError, match="warm-up"):
-        _Background(time.sleep, 5).result(timeout=0.1)
+        slow.result(timeout=0.2)
+    assert slow.proc.poll() is not None, "a timed-out warm-up is stopped"
+
+    done = tmp_path / "d" / "sft" / "sft_model"
+    done.mkdir(parents=True)
+    (done / "config.json").write_text("{}")
+    again = warm_up.WarmUp(cfg, str(tmp_path / "d"), announce=False)
+    assert again.proc is None and again.result(timeout=1) == str(done)
 
 
 def test_warm_imports_load_the_jax_engine_and_skip_vllm(tmp_path):
