@@ -10,10 +10,16 @@ relay.max_connections and relay.idle_timeout_s bound the master's stream server 
 connections to it while the run trains).
 
 The master fault is the rollout-side failover check: the first version after the master's death
-reaches every relay and every rollout within MASTER_RATIO of a normal version."""
+reaches every relay and every rollout within MASTER_RATIO of a normal version.
+
+The killed rollout is also the ledger's check (it was a run of its own, test_fault_accounting):
+its groups are re-issued on their version or re-queued, every consumed group is whole and
+consumed once, the ledger balances, and its replacement (manager.max_restarts) loads weights
+and delivers groups of its own."""
 import pytest
 
 from experiments import chaos
+from laminar_jax.analysis import load_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")]
 
@@ -61,6 +67,7 @@ def test_short_chaos_run_loses_nothing_and_recovers_from_every_fault(cluster, wa
     for f in r["faults"]:
         assert f["recover_s"] is not None, f        # replaced / restarted / the next version arrived
     assert r["faults"][1]["note"] == "relay restarted"
+    _killed_rollout_loses_nothing(r)
     # relay.max_restarts=1: the relay was restarted, the master (the second death) was not, and
     # the rollouts of its node went on through the other node's relay, not the weight store
     assert r["relays_restarted"] == 1
@@ -98,3 +105,22 @@ def test_a_batch_counts_from_when_its_rollout_chose_its_weights():
     assert abs(got[5] - 0.05) < 1e-9
     got = chaos._reached(pulls, {5: 10.0}, t, batches=[dict(batch, decided_t=10.2)], path=True)
     assert abs(got[5] - 1.05) < 1e-9
+
+
+def _killed_rollout_loses_nothing(r: dict) -> None:
+    acc = r["ledger"]
+    assert acc["unaccounted"] == 0
+    assert acc["issued"] == (acc["consumed"] + acc["buffered"] + acc["in_flight"] + acc["requeued"]
+                             + acc["dropped"] + acc["rejected"] - acc["double_held"]), acc
+    run = load_run(r["run_dir"])
+    ev, traj = run.events, run.trajectories
+    killed = r["faults"][0]["target"]
+    dead = ev[(ev.kind == "rollout_dead") & (ev.rollout == killed)]
+    assert len(dead) == 1, ev[ev.kind == "rollout_dead"]
+    assert int(dead.reissued.iloc[0]) + int(dead.requeued.iloc[0]) == int(dead.groups.iloc[0])
+    assert traj.groupby("group_id").size().eq(8).all(), "every consumed group whole, and once"
+    (restarted,) = ev[(ev.kind == "rollout_restarted") & (ev.replaces == killed)].itertuples()
+    assert restarted.rollout.startswith(f"{killed}.r")
+    assert (ev[ev.kind == "pull"].rollout == restarted.rollout).any(), "the replacement loaded weights"
+    assert (traj.rollout_id == restarted.rollout).any(), "the replacement delivered groups"
+    assert run.metrics["live_rollouts"].iloc[-1] == r["rollouts"]
