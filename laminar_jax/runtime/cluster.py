@@ -145,12 +145,17 @@ def placement_group_for(kind: str, accelerators: float, name: str, timeout_s: fl
     return pg
 
 
+def xla_flags(devices: int) -> str:
+    """The XLA_FLAGS of a process of the run (an actor, the warm-up): `devices` host devices."""
+    return f"--xla_force_host_platform_device_count={devices}"
+
+
 def actor_options(kind: str | None, accelerators: float, *, devices: int = 1, node: str | None = None,
                   max_concurrency: int = 8, placement_group: Any = None, env: dict | None = None) -> dict:
     """Ray options: logical 0 CPUs, the accelerators asked for, and on CPU `devices` fake JAX
     devices (XLA_FLAGS in the runtime env), pinned to `node` when given, or scheduled in bundle 0
     of `placement_group`. `env`: more environment variables of the actor."""
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    env = {"XLA_FLAGS": xla_flags(devices), **(env or {})}
     if kind is None:
         env["JAX_PLATFORMS"] = "cpu"
     opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=max_concurrency, runtime_env={"env_vars": env})

@@ -40,7 +40,6 @@ from laminar_jax.runtime.events import EventLimiter
 from laminar_jax.runtime.liveness import Watchdog
 
 POLL_S = 1.0            # liveness check period while a step runs
-WARM_UP_TIMEOUT_S = 3600.0   # the supervised warm-up (sft.steps steps); past it: an error
 
 
 def _log_events(log: Callable[..., None], events: list[dict]) -> None:
@@ -106,7 +105,7 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     clock.mark("ray", "ray up" if owns_ray else "ray (already running)")
     if warm is not None:
         try:
-            model_dir = warm.result(timeout=WARM_UP_TIMEOUT_S)
+            model_dir = warm.result()
         except BaseException:
             warm.stop()
             if owns_ray:

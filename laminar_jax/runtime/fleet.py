@@ -172,8 +172,7 @@ class Fleet:
                                 on_master_change=[lambda m: m.__ray_call__.remote(engines.warm_store_reader),
                                                   lambda m: ray.get(learner.set_master.remote(m),
                                                                     timeout=STARTUP_TIMEOUT_S)],
-                                events=events, runtime_env={"env_vars": {
-                                    "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}})
+                                events=events, runtime_env={"env_vars": {"XLA_FLAGS": cluster.xla_flags(1)}})
             relays.start_monitor(r.check_interval_s)
             phase("relays", f"{len(nodes)} relay(s) up")
         ray.get(published, timeout=STARTUP_TIMEOUT_S)

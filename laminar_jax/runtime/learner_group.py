@@ -39,13 +39,19 @@ class LearnerHostError(RuntimeError):
     """A learner host died or failed; the run stops (and resumes from its last checkpoint)."""
 
 
+def mesh_devices(cfg: Any) -> int:
+    """The learner mesh's devices over all hosts (mesh.data=-1 counting as 1, as the fleet does)."""
+    m = cfg.mesh
+    return max(1, m.data) * m.fsdp * m.tensor
+
+
 def devices_per_host(cfg: Any) -> int:
     """Learner devices each host contributes: the mesh's devices (data=-1 counting as 1, as the
     fleet does) split evenly over `learner.hosts`; a mesh that does not divide is a ConfigError
     naming mesh.* and learner.hosts."""
     from laminar_jax.learner.distributed import check_mesh
     m, hosts = cfg.mesh, cfg.learner.hosts
-    total = max(1, m.data) * m.fsdp * m.tensor
+    total = mesh_devices(cfg)
     if total % hosts:
         raise ConfigError(f"mesh.data={m.data} x mesh.fsdp={m.fsdp} x mesh.tensor={m.tensor} = {total} learner "
                           f"devices do not split evenly over learner.hosts={hosts}")

@@ -17,8 +17,11 @@ import time
 from typing import Any
 
 from laminar_jax.config_loader import dump_yaml
+from laminar_jax.runtime.cluster import xla_flags
+from laminar_jax.runtime.learner_group import mesh_devices
 
-GRACE_S = 5.0   # a stopped warm-up gets SIGTERM, then SIGKILL after this
+GRACE_S = 5.0        # a stopped warm-up gets SIGTERM, then SIGKILL after this
+TIMEOUT_S = 3600.0   # the whole warm-up (sft.steps steps); past it: an error
 
 
 def model_dir(run_dir: str) -> str:
@@ -35,9 +38,7 @@ def sft_config(cfg: Any, run_dir: str) -> Any:
 
 
 def _env(cfg: Any) -> dict[str, str]:
-    m = cfg.mesh
-    devices = max(1, m.data) * m.fsdp * m.tensor
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return dict(os.environ, XLA_FLAGS=xla_flags(mesh_devices(cfg)))
 
 
 class WarmUp:
@@ -60,7 +61,7 @@ class WarmUp:
         self.proc = subprocess.Popen([sys.executable, "-m", "laminar_jax.cli", "sft", self.config_path],
                                      env=_env(cfg), stdin=subprocess.DEVNULL)
 
-    def result(self, timeout: float) -> str:
+    def result(self, timeout: float = TIMEOUT_S) -> str:
         """The model folder once the warm-up is done; TimeoutError (the warm-up stopped) past
         `timeout` s; RuntimeError naming the exit code if it failed (its traceback is above)."""
         if self.proc is None:
@@ -85,9 +86,9 @@ class WarmUp:
             time.sleep(0.05)
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+            self.proc.wait(GRACE_S)
 
 
-def run(cfg: Any, run_dir: str, timeout: float = 3600.0) -> str:
+def run(cfg: Any, run_dir: str) -> str:
     """Runs the warm-up to its end; returns its model folder."""
-    return WarmUp(cfg, run_dir).result(timeout)
+    return WarmUp(cfg, run_dir).result()
