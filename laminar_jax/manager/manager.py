@@ -225,10 +225,12 @@ class RolloutManager:
         self._started.pop(rid, None)
         self.loops.pop(rid, None)
         self.counters["dead"] += 1
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        # only an actor: ray.kill on an in-process rollout (unit tests) would auto-start a local Ray
+        if isinstance(handle, ray.actor.ActorHandle):
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         groups, partials = call(self.data.orphans, rid, timeout=CALL_TIMEOUT_S)
         by_group: dict[str, list] = {}
         for p in partials:

@@ -108,6 +108,7 @@ def test_refused_adoption_requeues_instead_of_changing_version():
 
 
 def test_dead_rollouts_groups_are_reissued_on_their_version_or_requeued():
+    ray_before = ray.is_initialized()
     data = data_actor()
     x, y, z = FakeRollout("x", 0, dead=True), FakeRollout("y", 0), FakeRollout("z", 1)
     g0, g1, g2 = data.issue(3, "x", 0)
@@ -127,6 +128,9 @@ def test_dead_rollouts_groups_are_reissued_on_their_version_or_requeued():
     assert holders == {g0.group_id: "y", g1.group_id: "z"}
     (event,) = [e for e in m.drain_events() if e["kind"] == "rollout_dead"]
     assert (event["reissued"], event["requeued"]) == (2, 1)
+    # failover kills only actors: ray.kill on an in-process rollout auto-started a local Ray
+    # (5 s here; 820 s in one CI run, after test_heartbeats' Ray had shut down)
+    assert ray.is_initialized() == ray_before
 
 
 class PeakRollout(FakeRollout):
