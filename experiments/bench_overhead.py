@@ -45,7 +45,8 @@ SIDE = ("publish_write_s", "relay_convert_s", "relay_chain_s", "rollout_decode_f
 
 
 def init_model(work: str) -> str:
-    folder = os.path.join(work, "init", "sft", "sft_model")   # `laminar sft` writes <out_dir>/<name>/sft/
+    from laminar_jax.runtime.warm_up import model_dir   # `laminar sft`'s layout
+    folder = model_dir(os.path.join(work, "init"))
     if not os.path.exists(os.path.join(folder, "config.json")):
         subprocess.run([sys.executable, "-m", "laminar_jax.cli", "sft", "configs/default.yaml",
                         f"run.out_dir={work}", "run.name=init"], cwd=REPO,

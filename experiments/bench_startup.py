@@ -79,7 +79,8 @@ def main() -> None:
     os.makedirs(a.work, exist_ok=True)
     init = a.init
     if init is None:
-        init = os.path.join(a.work, "init", "sft", "sft_model")
+        from laminar_jax.runtime.warm_up import model_dir   # `laminar sft`'s layout
+        init = model_dir(os.path.join(a.work, "init"))
         if not os.path.exists(os.path.join(init, "config.json")):
             subprocess.run([sys.executable, "-m", "laminar_jax.cli", "sft", "configs/default.yaml",
                             f"run.out_dir={a.work}", "run.name=init"], cwd=a.after,

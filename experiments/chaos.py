@@ -494,7 +494,8 @@ def main(argv=None) -> dict:
     warm = load_config(os.path.join(ROOT, "configs/default.yaml"),
                        [f"run.out_dir={args.work}", "run.name=warm", "data.task=arithmetic", "sft.steps=100",
                         "sft.batch_size=32", "sft.seq_len=32", "run.log_every=100"])
-    model_dir = os.path.join(args.work, "warm", "sft_model")
+    from laminar_jax.runtime.warm_up import model_dir as sft_model_dir   # `laminar sft`'s layout
+    model_dir = sft_model_dir(os.path.join(args.work, "warm"))
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         model_dir = sft.run(warm)["model_dir"]
     env = {k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",

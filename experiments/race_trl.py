@@ -78,13 +78,21 @@ def ensure_venv(venv: str) -> str:
     return py
 
 
+def init_folder(work: str) -> str:
+    """Where `laminar sft ... run.name=init` writes its model (`laminar sft`'s layout)."""
+    from laminar_jax.runtime.warm_up import model_dir
+    return model_dir(os.path.join(work, "init"))
+
+
 def build_init(work: str, task: str, sft_steps: int) -> str:
-    folder = os.path.join(work, "init", "sft_model")
+    folder = init_folder(work)
     if not os.path.exists(os.path.join(folder, "config.json")):
         print(f"race: init checkpoint: laminar sft, {sft_steps} steps on {task}", flush=True)
         subprocess.run([sys.executable, "-m", "laminar_jax.cli", "sft", "configs/default.yaml",
                         f"sft.steps={sft_steps}", f"data.task={task}", f"run.out_dir={work}", "run.name=init"],
                        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), check=True)
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            raise SystemExit(f"race: laminar sft finished but wrote no model at {folder}")
     return folder
 
 
@@ -285,7 +293,7 @@ def finish(results: list[dict], a) -> None:
                 # TRL never got there: its time to threshold exceeds its shortest run's wall time
                 s["wall_to_threshold_vs_trl_at_most"] = s["time_to_threshold_s_mean"] / base["wall_s_min"]
     out = {"settings": {k: v for k, v in vars(a).items() if k not in ("venv", "out", "rescore", "init")},
-           "init": a.init or os.path.join(a.work, "init", "sft_model"),
+           "init": a.init or init_folder(a.work),
            "cores": os.cpu_count(), "results": results, "summary": summary}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
