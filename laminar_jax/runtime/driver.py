@@ -40,6 +40,7 @@ from laminar_jax.runtime.events import EventLimiter
 from laminar_jax.runtime.liveness import Watchdog
 
 POLL_S = 1.0            # liveness check period while a step runs
+SAVE_TIMEOUT_S = 300.0  # the final checkpoint's start (device-to-host copy, a write in progress)
 
 
 def _log_events(log: Callable[..., None], events: list[dict]) -> None:
@@ -167,8 +168,10 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             if step == start:
                 clock.mark("first_step", f"first RL step done (v{out['version']}); training")
             fleet.manager.kick.remote()
-            # the learner starts its next iteration while this one is logged
-            pending = fleet.learner.step.remote() if step + 1 < cfg.run.steps else None
+            # the learner starts its next iteration while this one is logged, unless a checkpoint
+            # is due: then this step's rows go to disk first and the next step begins with the save
+            due, last = bool(out.get("checkpoint_due")), step + 1 >= cfg.run.steps
+            pending = fleet.learner.step.remote() if not (due or last) else None
             m = dict(out["metrics"], **{"time/unix_s": time.time()})   # when the step ended (benchmarks)
             stats = fleet.live_stats()
             m.update(meter.update(stats))
@@ -186,10 +189,14 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             writer.log_step(step, m)
             writer.log_trajectories(out["trajectories"], step=step)
             _log_events(events, step_events)
-            if out.get("checkpoint_started"):
-                # rows up to this step on disk before the checkpoint commits: a crash after the
-                # commit must not resume past steps whose rows were still in memory
+            if due:
+                # rows up to this step on disk before the save starts: a checkpoint never covers a
+                # step whose rows a crash could lose
                 writer.flush()
+                if last:
+                    ray.get(fleet.learner.save_checkpoint.remote(), timeout=SAVE_TIMEOUT_S)
+                else:
+                    pending = fleet.learner.step.remote(checkpoint_first=True)
             warn = staleness_warning(cfg, step, m)
             if warn is not None:
                 events("staleness_warning", **warn)

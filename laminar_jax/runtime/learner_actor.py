@@ -335,13 +335,21 @@ class Learner:
             for v in [v for v in self._past_params if v <= self.version - keep]:
                 del self._past_params[v]
 
-    def step(self) -> dict | None:
-        """One iteration; returns {"metrics", "trajectories", "events", "version"}, or None when
-        close() began before it could publish (nobody reads that step: the driver is stopping,
-        and an error there would only be logged as an unhandled one)."""
+    def step(self, checkpoint_first: bool = False) -> dict | None:
+        """One iteration; returns {"metrics", "trajectories", "events", "version",
+        "checkpoint_due"}, or None when close() began before it could publish (nobody reads that
+        step: the driver is stopping, and an error there would only be logged as an unhandled one).
+
+        checkpoint_first: first save the checkpoint the previous step said was due. The driver
+        asks for it once that step's rows are on disk, so a committed checkpoint never covers a
+        step whose rows a crash of the driver could still lose."""
         with self._step_lock:
             try:
                 self._check_open()
+                clock = time.perf_counter()
+                if checkpoint_first:
+                    self.checkpoint()
+                self._checkpoint_s = time.perf_counter() - clock   # this step's breakdown carries it
                 return self._step()
             except LearnerClosed:
                 return None
@@ -379,16 +387,11 @@ class Learner:
         self._times.add("publish_s", clock)
         self.data.set_learner_version.remote(self.version)
         end = time.time()
-        checkpoint_s = self._checkpoint_s   # the last step's save, which delayed this one
+        checkpoint_s = self._checkpoint_s   # the save this step began with (checkpoint_first)
         run = self.cfg.run
-        saving = self._checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
-                                now=time.time(), every=run.checkpoint_every, every_s=run.checkpoint_every_s,
-                                final_version=run.steps)
-        clock = time.perf_counter()
-        if saving:
-            self.checkpoint()
-        # after `end`: it delays the next step, whose breakdown carries it
-        self._checkpoint_s = time.perf_counter() - clock
+        due = self._checkpoint_due(self.version, last_version=self._last_ckpt[0], last_time=self._last_ckpt[1],
+                                   now=time.time(), every=run.checkpoint_every, every_s=run.checkpoint_every_s,
+                                   final_version=run.steps)
         # the other hosts' parts of this step (a failure: LearnerHostError): their updates'
         # metrics (averaged with the leader's), trajectory rows and stats
         for m, r, c in (out for out in self._mirror.collect() if out is not None):
@@ -416,9 +419,18 @@ class Learner:
         self._last_end = end
         with self._lock:
             events, self._events = self._events, []
-        # checkpoint_started: the driver makes this step's rows durable before the save commits
+        # checkpoint_due: the driver writes this step's rows, then asks for the save
+        # (step(checkpoint_first=True), or save_checkpoint() after the last step)
         return {"metrics": metrics, "trajectories": rows, "events": events, "version": self.version,
-                "checkpoint_started": saving}
+                "checkpoint_due": due}
+
+    def save_checkpoint(self) -> int:
+        """Saves the current version (the last step's due checkpoint); returns the version."""
+        with self._step_lock:
+            self._check_open()
+            self.checkpoint()
+            self._mirror.collect()
+            return self.version
 
     def checkpoint(self) -> int:
         meta = {"version": self.version, "data": ray.get(self.data.state_dict.remote(), timeout=300)}

@@ -21,6 +21,20 @@ def _checkpoint_events(run_dir) -> set:
     return {int(e["version"]) for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == "checkpoint"}
 
 
+def _rows_on_disk_before_each_save(run_dir) -> None:
+    """Checkpoint v covers steps 0..v-1: their metrics rows were written (a part file's mtime)
+    before the save started (commit time - save_s), so no crash can lose a step a checkpoint covers."""
+    from laminar_jax.runfiles import METRICS_DIR, parts
+    stored = [(first, last, os.stat(path).st_mtime) for _, first, last, path in parts(run_dir / METRICS_DIR)]
+    for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()):
+        if e["kind"] != "checkpoint":
+            continue
+        save_start = e["t"] - e["save_s"]
+        step = int(e["version"]) - 1
+        written = [mtime for first, last, mtime in stored if first <= step <= last]
+        assert written and written[0] <= save_start, (e["version"], written, save_start)
+
+
 def test_learner_killed_then_resumed_logs_each_step_and_trajectory_once(cluster, warm_model, tmp_path):
     overrides = {"run.steps": 8, "run.checkpoint_every": 2, "run.checkpoint_every_s": 0}
     cfg = base_config(str(tmp_path), "resume", warm_model, **overrides)
@@ -38,6 +52,7 @@ def test_learner_killed_then_resumed_logs_each_step_and_trajectory_once(cluster,
         driver.run(cfg, quiet=True, on_step=kill_once_v4_is_committed)
     assert not os.path.exists(killed["store"]), "the dead learner's weight store was left in /dev/shm"
     crashed = load_run(run_dir)
+    _rows_on_disk_before_each_save(run_dir)
     assert list(crashed.metrics.step) == list(range(killed["step"] + 1))      # what the crash kept
     latest = run_folder.checkpoints(str(run_dir))[-1]
     logged = _checkpoint_events(run_dir)
