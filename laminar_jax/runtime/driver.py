@@ -37,7 +37,7 @@ from laminar_jax.rewards.health import RewardWatch
 from laminar_jax.runtime import breakdown, cluster, engines, progress, run_folder, warm_up
 from laminar_jax.runtime.fleet import Fleet
 from laminar_jax.runtime.events import EventLimiter
-from laminar_jax.runtime.liveness import Watchdog
+from laminar_jax.runtime.liveness import LivenessError, Watchdog
 
 POLL_S = 1.0            # liveness check period while a step runs
 SAVE_TIMEOUT_S = 300.0  # the final checkpoint's start (device-to-host copy, a write in progress)
@@ -74,6 +74,17 @@ def _wait_step(pending: Any, watchdog: Watchdog, step: int) -> dict:
                 watchdog.check(step)   # learner.hosts > 1: names the learner host that died
                 raise
         watchdog.check(step)
+
+
+def _final_save(fleet: Fleet, step: int, run_dir: str) -> None:
+    """The checkpoint after the last step, within SAVE_TIMEOUT_S, or an error that says what is kept."""
+    try:
+        ray.get(fleet.learner.save_checkpoint.remote(), timeout=SAVE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise LivenessError(
+            f"the final checkpoint (after step {step}) did not finish within {SAVE_TIMEOUT_S:g} s; the "
+            f"metrics and trajectories of every step are in {run_dir}, and a resume starts from the "
+            f"last complete checkpoint under {os.path.join(run_dir, 'checkpoints')}") from None
 
 
 def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
@@ -194,7 +205,7 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
                 # step whose rows a crash could lose
                 writer.flush()
                 if last:
-                    ray.get(fleet.learner.save_checkpoint.remote(), timeout=SAVE_TIMEOUT_S)
+                    _final_save(fleet, step, run_dir)
                 else:
                     pending = fleet.learner.step.remote(checkpoint_first=True)
             warn = staleness_warning(cfg, step, m)

@@ -5,7 +5,8 @@ report): prompts exhausted, every prompt rejected, no producer past manager.live
 (and a compiling rollout or a larger timeout holds it back). `run.ray_address` that nothing
 answers is an error within 15 s through `laminar train`. The end-to-end stop: `laminar train`
 (in this process, on the package's Ray cluster) with too few prompts for run.steps stops with a
-named error seconds after the prompts ran out, not the learner's 900 s stall.
+named error seconds after the prompts ran out, not the learner's 900 s stall. A final checkpoint
+past the driver's SAVE_TIMEOUT_S is a LivenessError that says what is on disk.
 """
 import json
 import os
@@ -139,3 +140,27 @@ def test_a_run_stops_when_prompts_run_out_with_the_key_to_change(cluster, warm_m
     assert "Traceback" not in stderr and "error: laminar train stopped: prompts exhausted" in stderr
     events = [json.loads(line) for line in open(tmp_path / "audit" / "events.jsonl")]
     assert not any("token" in k for e in events for k in e), "an event carries a token field"
+
+
+def test_a_final_checkpoint_past_its_timeout_is_a_named_error(cluster, monkeypatch, tmp_path):
+    """The last step's save is waited for SAVE_TIMEOUT_S, then stops with what is kept on disk
+    (before: Ray's bare GetTimeoutError). A real actor whose save outlasts the timeout."""
+    import types
+
+    import ray
+
+    from laminar_jax.runtime import driver
+
+    @ray.remote(num_cpus=0)
+    class SlowLearner:
+        def save_checkpoint(self):
+            time.sleep(5)
+            return 1
+
+    learner = SlowLearner.remote()
+    monkeypatch.setattr(driver, "SAVE_TIMEOUT_S", 0.5)
+    t0 = time.time()
+    with pytest.raises(liveness.LivenessError, match=r"final checkpoint \(after step 7\).*0.5 s.*checkpoints"):
+        driver._final_save(types.SimpleNamespace(learner=learner), 7, str(tmp_path))
+    assert time.time() - t0 < 4
+    ray.kill(learner)
