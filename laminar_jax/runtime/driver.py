@@ -81,10 +81,12 @@ def _final_save(fleet: Fleet, step: int, run_dir: str) -> None:
     try:
         ray.get(fleet.learner.save_checkpoint.remote(), timeout=SAVE_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
+        done = run_folder.checkpoints(run_dir)
+        resume = f"checkpoint {done[-1]}" if done else "step 0 (no checkpoint is complete)"
         raise LivenessError(
             f"the final checkpoint (after step {step}) did not finish within {SAVE_TIMEOUT_S:g} s; the "
-            f"metrics and trajectories of every step are in {run_dir}, and a resume starts from the "
-            f"last complete checkpoint under {os.path.join(run_dir, 'checkpoints')}") from None
+            f"metrics and trajectories of every step are in {run_dir}, and a resume starts from "
+            f"{resume}") from None
 
 
 def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,

@@ -159,8 +159,13 @@ def test_a_final_checkpoint_past_its_timeout_is_a_named_error(cluster, monkeypat
 
     learner = SlowLearner.remote()
     monkeypatch.setattr(driver, "SAVE_TIMEOUT_S", 0.5)
-    t0 = time.time()
-    with pytest.raises(liveness.LivenessError, match=r"final checkpoint \(after step 7\).*0.5 s.*checkpoints"):
-        driver._final_save(types.SimpleNamespace(learner=learner), 7, str(tmp_path))
-    assert time.time() - t0 < 4
-    ray.kill(learner)
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)        # a committed checkpoint
+    (tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp").mkdir()  # the save in progress
+    try:
+        t0 = time.time()
+        with pytest.raises(liveness.LivenessError,
+                           match=r"final checkpoint \(after step 7\).*0.5 s.*resume starts from checkpoint 4$"):
+            driver._final_save(types.SimpleNamespace(learner=learner), 7, str(tmp_path))
+        assert time.time() - t0 < 4
+    finally:
+        ray.kill(learner)
