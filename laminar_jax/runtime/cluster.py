@@ -108,7 +108,7 @@ def check_resources(cfg: Any, learner_devices: int) -> dict[str, Any]:
     frac = cfg.learner.memory_fraction  # one learner device: its memory share is its GPU share too
     learner = (frac if frac is not None and learner_devices == 1 else float(learner_devices)) if kind else 0.0
     per_node = max((n["Resources"].get(kind or "GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
-    used, need = learner, {}
+    used = learner
     short = not cfg.rollout.pools
     for i, pool in enumerate(cfg.rollout.pools_resolved()):
         key = "rollout" if short else f"rollout.pools[{i}]"
@@ -124,9 +124,12 @@ def check_resources(cfg: Any, learner_devices: int) -> dict[str, Any]:
             raise ClusterError(f"{key}{name}: {key}.accelerators_per_rollout={a} {kind or 'GPU'}s for one rollout, "
                                f"but no node has more than {per_node:g}")
         used += want
-    for rid, pool in cfg.rollout.assignments():
-        need[rid] = pool.accelerators_per_rollout
-    return {"learner": learner, "rollout": need}
+    return {"learner": learner, "rollout": rollout_accelerators(cfg)}
+
+
+def rollout_accelerators(cfg: Any) -> dict[str, float]:
+    """Accelerators each rollout asks for, by rollout id (its pool's accelerators_per_rollout)."""
+    return {rid: pool.accelerators_per_rollout for rid, pool in cfg.rollout.assignments()}
 
 
 def placement_group_for(kind: str, accelerators: float, name: str, timeout_s: float = 120.0):

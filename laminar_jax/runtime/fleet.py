@@ -59,7 +59,10 @@ class RolloutSpawner:
         """The tmpfs folder of a vLLM rollout's config.json (removed by `Fleet.stop`)."""
         return os.path.join(self.cfg.relay.store_dir, f"vllm-{self.prefix}-{rid}") if engine == "vllm" else None
 
-    def __call__(self, index: int, restart: int = 0) -> tuple[str, Any]:
+    def plan(self, index: int, restart: int = 0) -> "RolloutPlan":
+        """What rollout `index` (its `restart`-th replacement) runs with, before any actor exists:
+        the one place `rollout.*` and `rollout.pools` reach a rollout (its pool's config, engine
+        factory, accelerators and actor environment)."""
         base, pool = self.cfg.rollout.assignments()[index]
         rid = base if restart == 0 else f"{base}.r{restart}"
         rcfg = dataclasses.replace(self.cfg, rollout=self.cfg.rollout.for_pool(pool))
@@ -68,14 +71,35 @@ class RolloutSpawner:
         factory = engines.EngineFactory(rcfg, self.model_dir, seed=self.cfg.run.seed * 1000 + index + 7919 * restart,
                                         latency_model=self.latency_model, workdir=self.workdir(rid, pool.engine),
                                         accelerators=accel, kind=self.kind)
-        pg = cluster.placement_group_for(self.kind, accel, f"{self.prefix}-{rid}") if self.kind and accel > 1 else None
-        opts = cluster.actor_options(self.kind, accel, node=None if accel else self.nodes[index % len(self.nodes)],
-                                     max_concurrency=8, placement_group=pg, env=env)
+        return RolloutPlan(rid=rid, pool=pool, cfg=rcfg, factory=factory, accelerators=accel, env=env,
+                           node=None if accel else self.nodes[index % len(self.nodes)])
+
+    def __call__(self, index: int, restart: int = 0) -> tuple[str, Any]:
+        p = self.plan(index, restart)
+        pg = (cluster.placement_group_for(self.kind, p.accelerators, f"{self.prefix}-{p.rid}")
+              if self.kind and p.accelerators > 1 else None)
+        opts = cluster.actor_options(self.kind, p.accelerators, node=p.node, max_concurrency=8,
+                                     placement_group=pg, env=p.env)
         handle = ray.remote(RolloutWorker).options(**opts).remote(
-            rid, rcfg, self.data, self.source, factory, self.tokenizer, self.scorer)
+            p.rid, p.cfg, self.data, self.source, p.factory, self.tokenizer, self.scorer)
         # the engine's imports run now, while the rollout waits for its first weights (fire and forget)
-        handle.__ray_call__.remote(engines.warm_imports, pool.engine, self.cfg.run.compile_cache)
-        return rid, handle
+        handle.__ray_call__.remote(engines.warm_imports, p.pool.engine, self.cfg.run.compile_cache)
+        return p.rid, handle
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """One rollout as `RolloutSpawner.plan` decides it: id, resolved pool, the short-form config
+    it runs with, its engine factory, accelerators, extra environment and node (None: placed by
+    its accelerators)."""
+
+    rid: str
+    pool: Any
+    cfg: Any
+    factory: Any
+    accelerators: float
+    env: dict
+    node: str | None
 
 
 @dataclass
