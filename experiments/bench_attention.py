@@ -175,7 +175,7 @@ def main():
             r = next(r for r in rows if r["preset"] == p and r["impl"] == impl and r["T"] == t)
             step = "" if r["step_s"] is None else f", {r['step_s']:.2f} s"
             cells.append(f"{r['temp_bytes'] / 2**20:.0f} MiB{step}")
-        print(f"| {p} | {impl} | " + " | ".join(cells) + f" | {max(g):.2f}x |")
+        print(f"| {p} | {impl} | " + " | ".join(cells) + (f" | {max(g):.2f}x |" if g else " | - |"))
     if args.skip_packing:
         save(rows, memory_growth_per_doubling=growth)
         print(f"wrote {args.out}")
