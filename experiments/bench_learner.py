@@ -1,6 +1,13 @@
-"""Learner train-step benchmark: tokens/s and peak memory, tiny (2-layer) vs ~100M params.
+"""Learner train-step benchmark: tokens/s, MFU and peak memory, tiny (2-layer) vs ~100M params.
 
     .venv/bin/python experiments/bench_learner.py [--models tiny,100m] [--steps 3] [--devices 1]
+    python experiments/bench_learner.py --models qwen0.5b --dtype bfloat16 --shape qwen0.5b=8x2048  # a GPU
+
+Models: the presets, and "qwen0.5b" (Qwen2.5-0.5B's shape, random init). MFU (model FLOPs
+utilisation) = tokens/s x (6 N + 12 L H D T) / the devices' peak, the PaLM paper's count (N
+parameters, L layers, H heads of D, T tokens per row; fwd + bwd, attention counted in full), with
+the peak dense bf16 FLOP/s of the device kind (H100/H200 989e12, A100 312e12) or --peak-tflops;
+none on CPU.
 
 For each model: one sharded AdamW step (next-token cross-entropy through the chunked log-prob
 path, as the RL loss uses it) on random packed tokens, timed after a warm-up call. Memory is
@@ -27,6 +34,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per model")
     p.add_argument("--devices", type=int, default=1,
                    help="fake CPU devices (sets XLA_FLAGS; mesh data=-1 uses all of them)")
+    p.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
+    p.add_argument("--attention", default="auto", help="model.attention (auto: cudnn on GPU, else blockwise)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak dense TFLOP/s of one device for the MFU (default: by device kind)")
     p.add_argument("--shape", action="append", default=[],
                    help="per-model batch override, e.g. 100m=4x256 (rows x tokens)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -34,7 +45,30 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-DEFAULT_SHAPES = {"tiny": (16, 256), "100m": (4, 256)}
+DEFAULT_SHAPES = {"tiny": (16, 256), "100m": (4, 256), "qwen0.5b": (8, 2048)}
+# Qwen2.5-0.5B's config.json shape (weights random)
+QWEN_05B = dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6,
+                max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6)
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def model_config(name: str, dtype: str, attention: str):
+    from laminar_jax.models.config import DecoderConfig
+    if name == "qwen0.5b":
+        return DecoderConfig.from_hf(QWEN_05B, source="Qwen2.5-0.5B shape", dtype=dtype, attention=attention)
+    return DecoderConfig.preset(name, dtype=dtype, attention=attention)
+
+
+def flops_per_token(cfg, n_params: float, row_tokens: int) -> float:
+    """6 N + 12 L H D T: fwd + bwd FLOPs per token (PaLM, appendix B)."""
+    return 6 * n_params + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * row_tokens
+
+
+def peak_flops(device_kind: str, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_kind), None)
 
 
 def _chunked_head(chunk):
@@ -75,7 +109,6 @@ def main() -> int:
     from laminar_jax.learner import train_state as ts
     from laminar_jax.learner.optim import make_optimizer
     from laminar_jax.learner.train_step import TrainStep
-    from laminar_jax.models.config import DecoderConfig
     from laminar_jax.models.decoder import Decoder
 
     shapes = dict(DEFAULT_SHAPES)
@@ -91,7 +124,7 @@ def main() -> int:
           f"mesh {dict(mesh.shape)}", flush=True)
 
     for name in args.models.split(","):
-        cfg = DecoderConfig.preset(name)
+        cfg = model_config(name, args.dtype, args.attention)
         rows, length = shapes[name]
         init_fn = lambda cfg=cfg: Decoder(cfg, rngs=nnx.Rngs(0))  # noqa: E731
         sm = ts.shard_model(init_fn, mesh)
@@ -140,7 +173,11 @@ def main() -> int:
                        jax.ShapeDtypeStruct((hb, ht), jnp.int32))
             head[f"{hb}x{ht}"] = {k: _head_temp_mib(f, shapes_) for k, f in
                                   (("chunked", _chunked_head(chunk)), ("full_logits", _naive_head))}
+        peak_fl = peak_flops(jax.devices()[0].device_kind, args.peak_tflops)
+        mfu = (tokens / step_s * flops_per_token(cfg, sm.num_params(), length) / (peak_fl * len(jax.devices()))
+               if peak_fl else None)
         r = {"params_m": sm.num_params() / 1e6, "batch": [rows, length], "tokens_per_step": tokens,
+             "dtype": args.dtype, "attention": cfg.attention, "mfu": mfu, "peak_flops_per_device": peak_fl,
              "compile_s": compile_s, "first_call_s": first_s, "step_s_median": step_s, "step_s": times,
              "tokens_per_s": tokens / step_s, "final_loss": m["loss"],
              "compiled_bytes_per_device": {"arguments": mem.argument_size_in_bytes,
@@ -152,7 +189,8 @@ def main() -> int:
         peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
         print(f"{name:>5}: {r['params_m']:7.1f}M params  batch {rows}x{length}  "
               f"step {step_s * 1e3:8.1f} ms  {r['tokens_per_s']:9,.0f} tokens/s  "
-              f"peak (XLA) {peak / 2**20:8.1f} MiB/device  peak RSS {r['peak_rss_mib_so_far']:7.0f} MiB",
+              f"peak (XLA) {peak / 2**20:8.1f} MiB/device  peak RSS {r['peak_rss_mib_so_far']:7.0f} MiB"
+              + ("" if mfu is None else f"  MFU {mfu:.1%}"),
               flush=True)
         for shape, h in head.items():
             print(f"       log-prob head grad at {shape}: chunked {h['chunked']:8.1f} MiB vs full "

@@ -4,6 +4,7 @@
 #   experiments/gpu_check.sh A              GPU box with JAX+CUDA, no Ray, no vLLM (the lent machine)
 #   experiments/gpu_check.sh A --cpu-smoke  the same steps, tiny and short, on CPU (shows the script works)
 #   experiments/gpu_check.sh B              GPU node with the vllm extra (pip install 'laminar-jax[vllm]')
+#   experiments/gpu_check.sh M              the learner on the GPU (issue 13): MFU and attention (lent machine)
 #
 # Part A: the learner bench on the GPU; the JAX engine bench (decode tokens/s at concurrency 1..256,
 # seconds per in-place version switch); JAX engine vs learner log-prob parity in bf16 (and fp32).
@@ -14,6 +15,10 @@
 # share) and rollout.gpu_memory_utilization (ROLLOUT_MEM, default 0.5, with a Ray share of
 # ROLLOUT_GPUS=0.5); the config refuses a pair that sums past 1. SHARED_GPU=0 runs the rollout on
 # its own GPU instead (ROLLOUT_GPUS=1.0).
+# Part M: the learner's train step on a Qwen2.5-0.5B-shaped model (random init) in bf16, cuDNN
+# attention: tokens/s and MFU (bench_learner.py, 8 x 2048 packed tokens); then bench_attention.py,
+# cudnn vs blockwise vs naive, memory and step time at T = 1K..16K on the 100m preset in bf16. Fits
+# one 10-minute command (limits 300 + 270 s): GPU_OUT=$OUT experiments/gpu_check.sh M
 # Needs only what the working tree brings (PYTHONPATH=repo root). Every step has its own time
 # limit and a failed or timed-out step does not stop the others; the script exits 1 if any failed.
 # Part A fits one 10-minute command of the lent machine (limits 150 + 300 + 120 s, plus start-up):
@@ -28,9 +33,12 @@ OUT="${GPU_OUT:-experiments/results/gpu}"
 if [[ "$SMOKE" == "--cpu-smoke" ]]; then
   export JAX_PLATFORMS=cpu; OUT=$OUT/cpu_smoke
   MODELS=tiny; LEVELS=1,4; NEW=8; REPEATS=1; STEPS=1; SW=2
+  MFU_MODEL=tiny; MFU_SHAPE=tiny=4x256; MFU_ARGS=(--peak-tflops 1); ATT=(--presets tiny --impls blockwise,naive --lengths 1024,2048 --dtype float32)
 else
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
   MODELS=tiny,100m; LEVELS=1,4,16,64,256; NEW=64; REPEATS=2; STEPS=3; SW=3
+  MFU_MODEL=qwen0.5b; MFU_SHAPE=qwen0.5b=8x2048; MFU_ARGS=()
+  ATT=(--presets 100m --impls cudnn,blockwise,naive --lengths 1024,2048,4096,8192,16384 --dtype bfloat16)
 fi
 mkdir -p "$OUT"
 FAILED=()
@@ -55,6 +63,12 @@ if [[ "$PART" == "A" ]]; then
       --out "$OUT/bench_engine_jax.json"
   step "JAX engine vs learner log-probs (bf16, fp32)" 120 "$PY" experiments/engine_parity.py --engines jax \
       --model "${MODELS##*,}" --dtypes bfloat16,float32 --out "$OUT/engine_parity_jax.json"
+elif [[ "$PART" == "M" ]]; then
+  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+  step "learner MFU ($MFU_MODEL, bf16, attention auto = cudnn on GPU)" 300 "$PY" experiments/bench_learner.py \
+      --models "$MFU_MODEL" --dtype bfloat16 --shape "$MFU_SHAPE" --steps 5 "${MFU_ARGS[@]}" --out "$OUT/bench_learner_mfu.json"
+  step "attention: memory and fwd+bwd step time per length" 270 "$PY" experiments/bench_attention.py "${ATT[@]}" \
+      --time-max-tokens 131072 --naive-time-max-gb 40 --skip-packing --out "$OUT/bench_attention.json"
 elif [[ "$PART" == "B" ]]; then
   "$PY" -c "import vllm, ray; print('vllm', vllm.__version__, 'ray', ray.__version__)" || exit 2
   step "vLLM + JAX engine bench" 900 "$PY" experiments/bench_engine.py --engines jax,vllm --models "${MODELS##*,}" \
