@@ -186,6 +186,7 @@ class Fleet:
         if cfg.relay.enabled:
             from laminar_jax.weights.relay_group import RelayGroup
             r = cfg.relay
+            relay_env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": cluster.xla_flags(1)}
             # set_master (on_master_change) waits for the learner's init; the relays' own start-up
             # runs meanwhile. The learner re-announces its newest version to every new master.
             relays = RelayGroup(mcfg, store, nodes=nodes, num_chunks=r.num_chunks or None,
@@ -196,7 +197,8 @@ class Fleet:
                                 on_master_change=[lambda m: m.__ray_call__.remote(engines.warm_store_reader),
                                                   lambda m: ray.get(learner.set_master.remote(m),
                                                                     timeout=STARTUP_TIMEOUT_S)],
-                                events=events, runtime_env={"env_vars": {"XLA_FLAGS": cluster.xla_flags(1)}})
+                                events=events, runtime_env={"env_vars": relay_env},
+                                inherit_env=cluster.runtime_env(relay_env) is None)
             relays.start_monitor(r.check_interval_s)
             phase("relays", f"{len(nodes)} relay(s) up")
         ray.get(published, timeout=STARTUP_TIMEOUT_S)

@@ -121,7 +121,9 @@ class RelayGroup:
       events: `(kind, **fields)` sink; `EventLog.add` is used for relay records when present.
       prefix, namespace: actor names `{prefix}:{node_id}`.
       runtime_env: extra runtime_env for relay processes (JAX_PLATFORMS=cpu is always set, so a
-        relay never takes an accelerator).
+        relay never takes an accelerator); None: that alone. inherit_env: no runtime env at all,
+        the caller's word that the workers already have JAX_PLATFORMS=cpu and what runtime_env
+        would add (`runtime.cluster.runtime_env`: the process then starts sooner).
       transport: "tcp" or "object_store": how chunk bytes move between relays.
       fetch_timeout_s, prefetch, stream_timeout_s, shared_memory, shared_links: per-relay
         settings (see RelayWorker).
@@ -133,7 +135,7 @@ class RelayGroup:
                  max_chunks: int = 256, max_chunk_bytes: int | None = None, publisher: Any = None,
                  on_master_change: Sequence[Callable[[Any], None]] = (),
                  events: Callable[..., None] | None = None, prefix: str = DEFAULT_PREFIX,
-                 namespace: str | None = None, runtime_env: dict | None = None,
+                 namespace: str | None = None, runtime_env: dict | None = None, inherit_env: bool = False,
                  transport: str = "tcp", fetch_timeout_s: float = 120.0, prefetch: int = 2,
                  stream_timeout_s: float = 60.0, shared_memory: bool = True,
                  shared_links: bool = True, idle_timeout_s: float = 300.0,
@@ -159,10 +161,11 @@ class RelayGroup:
         self._callbacks = list(on_master_change)
         self._events = events or (lambda kind, **fields: None)
         self.prefix, self.namespace = prefix, namespace
-        env = dict(runtime_env or {})
-        env["env_vars"] = {"JAX_PLATFORMS": "cpu", **env.get("env_vars", {})}
-        self._actor_options = dict(num_cpus=0, max_concurrency=64, namespace=namespace,
-                                   runtime_env=env, max_restarts=0)
+        self._actor_options = dict(num_cpus=0, max_concurrency=64, namespace=namespace, max_restarts=0)
+        if not inherit_env:
+            env = dict(runtime_env or {})
+            env["env_vars"] = {"JAX_PLATFORMS": "cpu", **env.get("env_vars", {})}
+            self._actor_options["runtime_env"] = env
         self.transport = transport
         self.stream_token = secrets.token_hex(16)   # relays of this group accept only each other
         self._worker_args = dict(transport=transport, fetch_timeout_s=fetch_timeout_s,

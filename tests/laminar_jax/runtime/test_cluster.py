@@ -1,5 +1,7 @@
 """runtime.cluster.start: Ray's fixed node start-up wait, when it expires, is a ClusterError that
-says why and what to do; any other ray.init failure passes through unchanged."""
+says why and what to do; any other ray.init failure passes through unchanged. The embedded
+cluster's workers inherit the run's environment, so actors that need no other start without a
+runtime env."""
 from __future__ import annotations
 
 import pytest
@@ -28,3 +30,39 @@ def test_a_node_start_timeout_is_a_cluster_error_naming_the_way_out(monkeypatch,
         assert "fixed 30 s" in text and "load average" in text and "run.ray_address" in text
     else:
         assert str(err.value) == "other"
+
+
+def test_the_embedded_clusters_workers_inherit_the_run_env_and_actors_that_need_no_other_get_no_runtime_env(
+        monkeypatch, tmp_path):
+    """`start` gives every worker of the embedded cluster the run's environment (it is in this
+    process's environment only while Ray starts its raylet); an actor whose environment is that
+    one is started without a runtime env (no runtime-env agent round trip before its process
+    starts) and still sees it; any other actor gets a runtime env; so does every actor once that
+    cluster is gone."""
+    import os
+
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster.reaper, "start", lambda: None)   # no watcher left behind in the test process
+    keys = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
+    before = {k: os.environ.get(k) for k in keys}
+    cache = str(tmp_path / "cache")
+    try:
+        assert cluster.start(load_config("configs/default.yaml", [f"run.compile_cache={cache}"]))
+        assert {k: os.environ.get(k) for k in keys} == before, "the driver's own environment is put back"
+        plain, wide = cluster.actor_options(None, 0.0), cluster.actor_options(None, 0.0, devices=2)
+        assert "runtime_env" not in plain
+        assert wide["runtime_env"]["env_vars"]["XLA_FLAGS"] == cluster.xla_flags(2)
+
+        @ray.remote
+        class Env:
+            def get(self):
+                return {k: os.environ.get(k) for k in keys}
+        got = ray.get([Env.options(**opts).remote().get.remote() for opts in (plain, wide)], timeout=120)
+        assert got[0] == {"XLA_FLAGS": cluster.xla_flags(1), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": cache}
+        assert got[1] == dict(got[0], XLA_FLAGS=cluster.xla_flags(2))
+    finally:
+        ray.shutdown()
+    assert cluster.runtime_env({"XLA_FLAGS": cluster.xla_flags(1)}) == {"env_vars": {"XLA_FLAGS": cluster.xla_flags(1)}}
