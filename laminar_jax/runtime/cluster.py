@@ -35,8 +35,9 @@ CONNECT_TIMEOUT_S = 5.0
 # its own runtime env (XLA_FLAGS), so none of them took one: on 2 cores that was ~1 CPU s each
 # for nothing during start-up (measured: 2 `ray::IDLE` workers still idle at the first step)
 NO_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-# (GCS address, environment) of the embedded cluster `start` made: its workers inherit that
-# environment, so an actor that needs no other starts without a runtime env (`runtime_env`)
+# (node id, environment) of the embedded cluster `start` made: its workers inherit that
+# environment, so an actor that needs no other starts without a runtime env (`runtime_env`). A
+# node id, not the GCS address: a later cluster in this process (a test's) may reuse the port
 _inherited: tuple[str, dict] | None = None
 
 
@@ -86,7 +87,7 @@ def start(cfg: Any) -> bool:
             else:
                 os.environ[k] = v
     global _inherited
-    _inherited = (ray.get_runtime_context().gcs_address, base)
+    _inherited = (ray.get_runtime_context().get_node_id(), base)
     return True
 
 
@@ -175,7 +176,7 @@ def runtime_env(env_vars: dict) -> dict | None:
     env the raylet starts the actor's process without asking its runtime-env agent first:
     measured with five trivial actors on 2 cores (Ray starts workers two at a time), all up 2.2-2.3
     s after creation instead of 3.6-3.8 s, the first pair 0.8 s instead of 1.3-1.4 s."""
-    if (_inherited is not None and ray.is_initialized() and ray.get_runtime_context().gcs_address == _inherited[0]
+    if (_inherited is not None and ray.is_initialized() and ray.get_runtime_context().get_node_id() == _inherited[0]
             and all(_inherited[1].get(k) == v for k, v in env_vars.items())):
         return None
     return {"env_vars": dict(env_vars)}
