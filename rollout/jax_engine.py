@@ -19,7 +19,11 @@ is preempted, and by `abort(ids)`. In zero-mismatch mode they are reused only on
 computed them.
 
 Shapes are bucketed (rows and window pages are powers of two), so a steady workload runs without
-recompiling; `load_weights` swaps the params between steps, with no recompile either.
+recompiling; `load_weights` swaps the params between steps, with no recompile either. A decode's
+window covers each request's reach (prompt + max_new_tokens, at most max_model_len) from its first
+token, so a request never moves to a wider window as it grows: one decode shape per reach bucket,
+and no wider than the requests can need (a 256-token window for 84-token requests made each tiny
+decode step 2.5x slower: `experiments/bench_engine.py`).
 
 Zero-mismatch mode (a decoder config with `attention="exact"`, what `rollout.zero_mismatch`
 builds): the batch-invariant decoder (`laminar_jax.models.exact`) and sampling from the learner's
@@ -72,6 +76,12 @@ class _Seq:
     @property
     def context(self) -> int:
         return self.req.prompt_tokens.shape[0] + len(self.tokens)
+
+    @property
+    def reach(self) -> int:
+        """Context length at the request's last token: prompt + max_new_tokens (the prefix counts
+        in max_new_tokens)."""
+        return self.req.prompt_tokens.shape[0] + self.req.sampling.max_new_tokens
 
     def snapshot(self, version: int) -> E.Partial:
         return E.Partial(self.req.id, self.req.group_id, self.req.prompt_tokens,
@@ -316,8 +326,9 @@ class JaxEngine:
         """One jitted call for `seqs`; appends the sampled token to each. `extend_pages` > 0:
         prefill only the tokens after each one's cached K/V (that many pages of them at most)."""
         s = _pow2_bucket(len(seqs), self.max_num_seqs, self.min_rows)
-        need_pages = max(-(-(seq.kv_len + 1) // self.page_size) if not prefill else
-                         -(-seq.context // self.page_size) for seq in seqs)
+        # decode: the window of the requests' reach (never regrown); prefill: their context only
+        need_pages = max(-(-max(seq.kv_len + 1, min(seq.reach, self.max_model_len)) // self.page_size)
+                         if not prefill else -(-seq.context // self.page_size) for seq in seqs)
         pw = _pow2_bucket(need_pages, self.pages_per_seq, self.min_window_pages)
         rows = np.zeros((s, pw), np.int32)
         valid = np.zeros((s,), bool)

@@ -215,10 +215,12 @@ class EngineFactory:
         compile_cache.enable(self.cfg.run.compile_cache)
         r = self.cfg.rollout
         pages_per_seq = -(-max_len // PAGE_SIZE)
+        # Windows follow the requests' reach (prompt + max_new_tokens), except in zero-mismatch
+        # mode, whose exact decoder keeps the one full-length window it was checked with.
         engine = JaxEngine(mcfg, hf_tensors=tensors,  # the relay's layout as it is (rollout.jax_served)
                            max_num_seqs=r.max_concurrency, max_model_len=max_len, page_size=PAGE_SIZE,
                            num_pages=max(pages_per_seq, r.kv_budget_tokens // PAGE_SIZE),
-                           min_rows=r.max_concurrency, min_window_pages=pages_per_seq,
+                           min_rows=r.max_concurrency, min_window_pages=pages_per_seq if r.zero_mismatch else 1,
                            weight_version=version, seed=self.seed)
         engine.kind = "jax"
         return engine

@@ -84,3 +84,30 @@ def test_seeded_sampling_resumes_exactly_after_an_abort(roomy):
 def test_a_request_needing_more_than_the_whole_kv_pool_is_refused(checkpoint_dirs):
     with pytest.raises(ValueError, match="num_pages=3 cannot hold one request"):
         JaxEngine.from_pretrained(checkpoint_dirs[0], **dict(ENGINE, num_pages=3))
+
+
+def test_decode_windows_cover_each_requests_reach_from_its_first_token(checkpoint_dirs):
+    """Page 32, max_model_len 128: a request reaching 25 tokens decodes in a 1-page window, one
+    reaching 105 in the 4-page window from its first token on (never 1 -> 2 -> 4 pages as it
+    grows), and the tokens are those of an engine whose every window is the full length."""
+    eng = JaxEngine.from_pretrained(checkpoint_dirs[0], **dict(ENGINE, min_window_pages=1))
+    windows = []
+    decode = eng._decode_fn
+
+    def recording(params, k, v, tokens, lengths, rows, *rest):
+        windows.append(rows.shape[1])
+        return decode(params, k, v, tokens, lengths, rows, *rest)
+
+    eng._decode_fn = recording
+    short = _sampled("short", prompt(3, 5), 20, seed=3)
+    long = _sampled("long", prompt(4, 5), 100, seed=4)
+    got = E.run_to_completion(eng, [short])
+    assert set(windows) == {1} and len(windows) == len(got["short"].response_tokens) - 1
+    windows.clear()
+    got.update(E.run_to_completion(eng, [long]))
+    assert set(windows) == {4}, windows
+    full = JaxEngine.from_pretrained(checkpoint_dirs[0], **dict(ENGINE, min_window_pages=4))
+    for req in (short, long):
+        want = E.run_to_completion(full, [req])[req.id]
+        assert got[req.id].response_tokens.tolist() == want.response_tokens.tolist(), req.id
+        np.testing.assert_allclose(got[req.id].raw_logp, want.raw_logp, atol=1e-4)
