@@ -148,7 +148,7 @@ def run_laminar(mode: str, seed: int, init: str, a, work: str) -> dict:
             f"optimizer.lr={a.lr}", "optimizer.schedule=constant", f"optimizer.grad_clip={a.grad_clip}",
             "optimizer.weight_decay=0.0", "optimizer.warmup_steps=0",
             f"loss.surrogate.eps_low={a.eps}", f"loss.surrogate.eps_high={a.eps}",
-            "loss.aggregation.mode=token-mean", "loss.kl.coef=0.0"]
+            "loss.aggregation.mode=token-mean", "loss.kl.coef=0.0", *a.set]
     run_dir = os.path.join(work, name)
     subprocess.run(["rm", "-rf", run_dir], check=True)
     t0 = time.time()
@@ -219,6 +219,8 @@ def main() -> None:
                    help="keep --out's results of the systems not run now (re-run one side only)")
     p.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}",
                    help="cores both sides are pinned to (taskset -c; '' for no pinning)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of both Laminar-JAX runs (repeatable), e.g. rollout.num_rollouts=1")
     p.add_argument("--trl-threads", type=int, default=1,
                    help="torch threads of the TRL process (1: fastest on a loaded machine)")
     a = p.parse_args()

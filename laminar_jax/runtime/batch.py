@@ -43,6 +43,18 @@ def length_buckets(max_len: int, min_len: int = 16) -> tuple[int, ...]:
     return tuple(out) + (max_len,)
 
 
+def row_reach(cfg, prompt_lengths: Sequence[int]) -> int | None:
+    """The longest row (prompt + response tokens) a trajectory of this run can make: the longest
+    prompt with room for rollout.max_new_tokens (longer ones are rejected by the rollouts) plus
+    those tokens, at most learner.max_seq_len. None with an environment (its turns and tool output
+    add tokens) or when no prompt fits. Unpacked, no batch needs a length bucket past it."""
+    if cfg.env.name is not None:
+        return None
+    max_len, new = cfg.learner.max_seq_len, cfg.rollout.max_new_tokens
+    fits = [n for n in prompt_lengths if n <= max_len - new]
+    return min(max_len, max(fits) + new) if fits else None
+
+
 def row_buckets(num_trajectories: int, multiple: int = 1) -> tuple[int, ...]:
     """Every packed row count `pack` can return for a mini-batch of `num_trajectories`:
     multiple * 2^k, then num_trajectories rounded up to the multiple (one trajectory per row)."""

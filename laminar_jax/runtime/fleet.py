@@ -27,6 +27,7 @@ from laminar_jax.data.prompt_pool import PromptEncoder
 from laminar_jax.manager.manager import RolloutManager
 from laminar_jax.rewards.registry import RewardScorer, resolve_reward
 from laminar_jax.runtime import cluster, engines, learner_group
+from laminar_jax.runtime.batch import row_reach
 from laminar_jax.runtime.data_actor import CONCURRENCY_GROUPS, DataActor
 from laminar_jax.runtime.learner_actor import Learner
 from laminar_jax.weights.source import RelaySource, StoreSource
@@ -138,8 +139,10 @@ class Fleet:
         reward = resolve_reward(cfg.reward, answer_field=cfg.data.answer_field)
         tokenizer = engines.tokenizer_for(model_dir)
         dataset = load_dataset(cfg.data, seed=cfg.run.seed)
-        pool_kw = prompt_pool_kwargs(cfg.data, seed=cfg.run.seed, dataset=dataset,
-                                     encode=PromptEncoder(tokenizer, chat_template=cfg.data.chat_template))
+        encode = PromptEncoder(tokenizer, chat_template=cfg.data.chat_template)
+        pool_kw = prompt_pool_kwargs(cfg.data, seed=cfg.run.seed, dataset=dataset, encode=encode)
+        # the learner compiles no length bucket past the longest row this data can make
+        reach = row_reach(cfg, [len(encode(r.prompt)) for r in dataset.rows])
         buffer_kw = buffer_kwargs(cfg.data, seed=cfg.run.seed)
         # the learner takes a whole global batch at once: a smaller buffer could never hold one
         buffer_kw["capacity_groups"] = max(buffer_kw["capacity_groups"], cfg.learner.global_batch_groups)
@@ -155,13 +158,14 @@ class Fleet:
         if cfg.learner.hosts > 1:   # one learner over several processes (runtime.learner_group)
             learner, hosts, learner_pg = learner_group.start(
                 cfg, Learner, (cfg, run_dir, data), dict(resume=resume, min_update_s=min_update_s,
-                                                         store_root=store.root),
+                                                         store_root=store.root, max_row_tokens=reach),
                 kind=kind, env=engines.learner_env(cfg), name=f"laminar-learner-{cfg.run.name}-{uuid.uuid4().hex[:6]}")
         else:
             learner = ray.remote(Learner).options(**cluster.actor_options(
                 kind, need["learner"], devices=learner_devices, node=nodes[0], max_concurrency=4,
                 env=engines.learner_env(cfg))).remote(
-                cfg, run_dir, data, resume=resume, min_update_s=min_update_s, store_root=store.root)
+                cfg, run_dir, data, resume=resume, min_update_s=min_update_s, store_root=store.root,
+                max_row_tokens=reach)
         # the first publish is queued behind the learner's init: it runs the moment the init ends
         published = learner.publish.remote()
         phase("actors", "learner and data actors created; learner initialising (jax, model, optimizer)")

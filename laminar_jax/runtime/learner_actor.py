@@ -68,7 +68,8 @@ class Learner:
     """Holds the train state; `step()` runs one iteration and returns its log records."""
 
     def __init__(self, cfg: Any, run_dir: str, data: Any, *, resume: bool = True, min_update_s: float = 0.0,
-                 store_root: str | None = None, host: tuple | None = None, followers: list | None = None):
+                 store_root: str | None = None, host: tuple | None = None, followers: list | None = None,
+                 max_row_tokens: int | None = None):
         clock = breakdown.InitClock()   # the `learner_init` event: wall and CPU s per phase
         import jax
 
@@ -135,14 +136,16 @@ class Learner:
         self.rejected_too_long = 0
         self._past_params: dict[int, Any] = {}   # version -> params (learner.mismatch_versions)
         self._precompile = None
-        if cfg.learner.precompile:  # every bucket's step compiles while the first rollouts generate
+        # every bucket's step compiles while the first rollouts generate; max_row_tokens (the
+        # longest row the data can make, `batch.row_reach`) leaves out buckets no batch can need
+        if cfg.learner.precompile:
             k = cfg.learner.mini_batches if modes.streams_minibatches(self.mode) else 1
             self._precompile = threading.Thread(
                 target=rl_step.precompile_all, daemon=True, name="learner-precompile",
                 args=(cfg, self.fns, jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)),
                 kwargs=dict(num_groups=self.global_batch // k, events=self._event,
-                            after_first=_lower_thread_priority))
+                            after_first=_lower_thread_priority, max_row_tokens=max_row_tokens))
             self._precompile.start()
         clock.mark("store")
         self._event("learner_init", **clock.phases)

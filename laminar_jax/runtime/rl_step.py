@@ -174,22 +174,28 @@ def build(cfg: Any, setup: Any, *, mini_batch_rows: int, batch_logp: bool = True
                       precompile=precompile, release=release, loss=loss_fn, token_logp=token_logp_aux)
 
 
-def batch_shapes(cfg: Any, fns: LearnerFns) -> list[tuple[int, int]]:
+def batch_shapes(cfg: Any, fns: LearnerFns, *, max_row_tokens: int | None = None) -> list[tuple[int, int]]:
     """Every (rows, length) a mini-batch can have, known before the first batch: unpacked, the
-    mini-batch's trajectories x each length bucket; packed, each row bucket x max_seq_len."""
+    mini-batch's trajectories x each length bucket up to the one holding `max_row_tokens` (the
+    run's longest possible row, `batch.row_reach`; None: every bucket); packed, each row bucket x
+    max_seq_len."""
     lc = cfg.learner
     if lc.pack:
         return [(r, lc.max_seq_len) for r in B.row_buckets(fns.mini_batch_rows, fns.row_multiple)]
-    return [(fns.mini_batch_rows, n) for n in B.length_buckets(lc.max_seq_len, min(lc.min_bucket, lc.max_seq_len))]
+    buckets = B.length_buckets(lc.max_seq_len, min(lc.min_bucket, lc.max_seq_len))
+    if max_row_tokens is not None:
+        top = next(b for b in buckets if b >= min(max_row_tokens, lc.max_seq_len))
+        buckets = tuple(b for b in buckets if b <= top)
+    return [(fns.mini_batch_rows, n) for n in buckets]
 
 
 def precompile_all(cfg: Any, fns: LearnerFns, state: Any, *, num_groups: int, events: Any = None,
-                   after_first: Any = None) -> None:
+                   after_first: Any = None, max_row_tokens: int | None = None) -> None:
     """`fns.precompile` every shape of `batch_shapes`, smallest first (for a background thread);
     `num_groups`: the groups of one assembled batch (a global batch, or a mini-batch's worth when
     mini-batches stream); `after_first()` is called once the smallest shape is compiled."""
     adv_rows = num_groups * cfg.data.group_size
-    shapes = sorted(batch_shapes(cfg, fns), key=lambda s: s[0] * s[1])
+    shapes = sorted(batch_shapes(cfg, fns, max_row_tokens=max_row_tokens), key=lambda s: s[0] * s[1])
     try:
         for rows, length in shapes:  # first promise them all: no step compiles one of them itself
             fns.precompile(state, rows, length, num_groups, adv_rows, reserve=True)
@@ -200,7 +206,7 @@ def precompile_all(cfg: Any, fns: LearnerFns, state: Any, *, num_groups: int, ev
     finally:
         fns.release()
     if events is not None:
-        events("precompiled", shapes=len(batch_shapes(cfg, fns)))
+        events("precompiled", shapes=len(shapes))
 
 
 def train_inputs(cfg: Any, mb: dict[str, np.ndarray], *, keep_mask: Any = None) -> dict[str, Any]:

@@ -23,8 +23,14 @@ def test_learner_remat_and_buckets_reach_the_step():
     assert setup.sharded.bind(setup.state.params).remat == "dots_saveable"
     fns = rl_step.build(cfg, setup, mini_batch_rows=2 * cfg.data.group_size)
     assert [n for _, n in rl_step.batch_shapes(cfg, fns)] == [32, 64, 128, 256]
+    # the run's longest possible row (batch.row_reach) drops the buckets past the one holding it
+    assert [n for _, n in rl_step.batch_shapes(cfg, fns, max_row_tokens=84)] == [32, 64, 128]
+    assert [n for _, n in rl_step.batch_shapes(cfg, fns, max_row_tokens=128)] == [32, 64, 128]
+    assert [n for _, n in rl_step.batch_shapes(cfg, fns, max_row_tokens=129)] == [32, 64, 128, 256]
+    assert [n for _, n in rl_step.batch_shapes(cfg, fns, max_row_tokens=999)] == [32, 64, 128, 256]
     packed = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, pack=True))
     assert {n for _, n in rl_step.batch_shapes(packed, fns)} == {256}
+    assert {n for _, n in rl_step.batch_shapes(packed, fns, max_row_tokens=84)} == {256}
 
 
 def test_memory_options_reach_the_learner_and_bad_values_name_the_key(tmp_path):

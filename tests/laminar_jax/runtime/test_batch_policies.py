@@ -37,6 +37,17 @@ def test_bucket_len_and_errors():
         B.bucket_len(9, max_len=8)
 
 
+def test_row_reach_is_the_longest_prompt_that_fits_plus_max_new_tokens():
+    from laminar_jax.config import Config, EnvConfig, LearnerConfig, RolloutConfig
+    cfg = Config(learner=LearnerConfig(max_seq_len=256), rollout=RolloutConfig(max_new_tokens=64))
+    assert B.row_reach(cfg, [12, 20, 17]) == 84
+    assert B.row_reach(cfg, [20, 192, 300]) == 256   # 300 has no room: rejected by the rollouts
+    assert B.row_reach(cfg, [20, 193]) == 84
+    assert B.row_reach(cfg, [300]) is None
+    multi_turn = Config(learner=cfg.learner, rollout=cfg.rollout, env=EnvConfig(name="lookup"))
+    assert B.row_reach(multi_turn, [20]) is None   # turns and tool output add tokens
+
+
 def test_issue_limit_matches_may_start_batch():
     for mode in ("sync", "one_step", "stream"):
         for v in range(4):
