@@ -48,6 +48,19 @@ class GroupScorer:
         """Groups whose rewards are still being computed."""
         return bool(self._pending)
 
+    def wait(self, timeout_s: float) -> None:
+        """Block until the oldest group being scored has its rewards (`collect` takes it) or
+        `timeout_s` passed. A pending object without `wait` (a test double) is polled."""
+        if not self._pending:
+            return
+        pending = self._pending[0][2]
+        if isinstance(pending, Exception) or pending.done():
+            return
+        if hasattr(pending, "wait"):
+            pending.wait(timeout_s)
+        else:
+            time.sleep(min(timeout_s, 0.002))
+
     def submit(self, group: GroupState) -> None:
         """Decode a finished group and start its rewards (the reward pool works while we decode)."""
         g = group.group

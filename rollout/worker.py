@@ -152,7 +152,17 @@ class RolloutWorker:
     def _idle_wait(self) -> None:
         """Nothing to generate: block (outside the lock, so the manager's calls go on) until newer
         weights arrive or IDLE_WAIT_S passes, instead of spinning; what came is loaded at once.
-        Idle means nothing in flight, so any mode may load weights now."""
+        Idle means nothing in flight, so any mode may load weights now. While groups are being
+        scored, block on their rewards instead, so a scored group is delivered the moment it is
+        (waiting on the weights there held the batch's last group back by up to IDLE_WAIT_S: in
+        sync mode, every step)."""
+        if self.scorer.busy():
+            t0 = time.perf_counter()
+            self.scorer.wait(IDLE_WAIT_S)
+            waited = time.perf_counter() - t0
+            self.counters["idle_s"] += waited
+            self.counters["reward_s"] += waited
+            return
         current = -1 if self.engine is None else self.engine.weight_version
         t0 = time.perf_counter()
         got = self.weights.wait_newer(current, IDLE_WAIT_S)

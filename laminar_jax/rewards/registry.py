@@ -201,6 +201,11 @@ class PendingScores:
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until every reward is in or `timeout_s` passed; `done()`."""
+        concurrent.futures.wait(self._futures, timeout=timeout_s)
+        return self.done()
+
     def results(self) -> list[RewardResult]:
         if self._results is None:
             self._results = [self._scorer._record(self._group, i, f.result()) for i, f in enumerate(self._futures)]

@@ -91,3 +91,79 @@ def test_idle_rollout_blocks_in_wait_newer_and_wakes_on_new_weights(checkpoint_d
     finally:
         worker.stop()
         loop.join(timeout=30)
+
+
+class SlowScores:
+    """A group's rewards, all set `delay_s` after submission (a reward process at work)."""
+
+    def __init__(self, n, delay_s):
+        import concurrent.futures
+        from laminar_jax.rewards.registry import RewardResult
+        self.futures = [concurrent.futures.Future() for _ in range(n)]
+        self.set_at = None
+
+        def finish():
+            self.set_at = time.monotonic()
+            for f in self.futures:
+                f.set_result(RewardResult(1.0))
+        threading.Timer(delay_s, finish).start()
+
+    def done(self):
+        return all(f.done() for f in self.futures)
+
+    def wait(self, timeout_s):
+        import concurrent.futures
+        concurrent.futures.wait(self.futures, timeout=timeout_s)
+        return self.done()
+
+    def results(self):
+        return [f.result() for f in self.futures]
+
+
+class SlowReward:
+    def __init__(self, delay_s):
+        self.delay_s, self.submitted = delay_s, []
+
+    def submit_group(self, group, completions):
+        self.submitted.append(SlowScores(len(completions), self.delay_s))
+        return self.submitted[-1]
+
+
+def test_a_rollout_waiting_on_rewards_blocks_on_them_not_on_the_weights(checkpoint_dirs):
+    """Sync mode, one batch of two groups whose rewards take 0.6 s: once decoding ends the loop
+    blocks on the rewards (no `wait_newer` while they are computed: that wait ignores rewards,
+    so it held the batch's last group back by up to IDLE_WAIT_S every step), and the groups reach
+    the data actor as their rewards come in."""
+    folder = checkpoint_dirs[0]
+    cfg = load_config("configs/default.yaml", [
+        "manager.mode=sync", f"data.group_size={GROUP}", "rollout.max_concurrency=4", "rollout.temperature=0",
+        "rollout.max_new_tokens=6"])
+    rows = [PromptRow(f"q{i}", f"p{i}", "x", {"i": i}) for i in range(8)]
+    data = DataActor(dict(rows=rows, group_size=GROUP, shuffle=False,
+                          encode=lambda s: prompt(int(s[1:]), 5).tolist()),
+                     dict(capacity_groups=16), mode="sync", global_batch=2, max_staleness=None)
+    mcfg, _ = load_pretrained(folder)
+    kw = dict(JAX_ENGINE_KW, max_num_seqs=4, min_rows=4)
+    weights, reward = CountingWeights(hf_tensors(folder)), SlowReward(0.6)
+    worker = W.RolloutWorker("r0", cfg, data, weights,
+                             lambda t, v: JaxEngine(mcfg, hf_to_params(mcfg, t), **kw, weight_version=v),
+                             Tok(), reward)
+    loop = threading.Thread(target=worker.run, daemon=True)
+    loop.start()
+    try:
+        deadline = time.time() + 120
+        while len(reward.submitted) < 2:              # decoding ended: both groups are being scored
+            assert time.time() < deadline
+            time.sleep(0.01)
+        waits = weights.waits
+        while data.accounting()["buffered"] < 2:
+            assert time.time() < deadline, data.accounting()
+            time.sleep(0.005)
+        delivered = time.monotonic()
+        assert all(s.set_at is not None for s in reward.submitted)
+        assert weights.waits - waits <= 1, weights.waits - waits   # the old loop: ~6 (0.6 s / 0.1 s)
+        assert delivered - max(s.set_at for s in reward.submitted) < W.IDLE_WAIT_S
+        assert worker.counters["reward_s"] >= 0.3
+    finally:
+        worker.stop()
+        loop.join(timeout=30)
