@@ -20,6 +20,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -65,7 +66,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     a = p.parse_args()
     run_dir = os.path.join(a.work, "run")
-    subprocess.run(["rm", "-rf", run_dir], check=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "laminar_jax.cli", "train", "configs/default.yaml", "run.steps=2",
            f"run.out_dir={a.work}", "run.name=run", f"model.hf_path={a.hf_path}", *a.overrides]
     t0 = time.time()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -150,7 +151,7 @@ def run_laminar(mode: str, seed: int, init: str, a, work: str) -> dict:
             f"loss.surrogate.eps_low={a.eps}", f"loss.surrogate.eps_high={a.eps}",
             "loss.aggregation.mode=token-mean", "loss.kl.coef=0.0", *a.set]
     run_dir = os.path.join(work, name)
-    subprocess.run(["rm", "-rf", run_dir], check=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.time()
     for attempt in range(2):   # a shared, overloaded machine can time Ray's own start-up out: once more
         t0 = time.time()
@@ -161,7 +162,7 @@ def run_laminar(mode: str, seed: int, init: str, a, work: str) -> dict:
         if proc.returncode == 0 or RAY_START_TIMEOUT not in proc.stderr:
             break
         print(f"race:   Ray's start timed out (load {os.getloadavg()[0]:.1f}); launching again", flush=True)
-        subprocess.run(["rm", "-rf", run_dir], check=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
     if proc.returncode:
         raise RuntimeError(f"laminar run failed:\n{proc.stderr[-3000:]}")
     return score_laminar(run_dir, t0, a)
