@@ -51,8 +51,9 @@ class Tok:
         return " ".join(str(i) for i in ids)
 
 
-def test_idle_rollout_blocks_in_wait_newer_and_wakes_on_new_weights(checkpoint_dirs):
-    folder = checkpoint_dirs[0]
+def _sync_worker(folder, reward):
+    """A sync-mode rollout on a tiny JAX engine (groups of GROUP, one global batch of 2 groups),
+    its in-process data actor and its counting weight source."""
     cfg = load_config("configs/default.yaml", [
         "manager.mode=sync", f"data.group_size={GROUP}", "rollout.max_concurrency=4", "rollout.temperature=0",
         "rollout.max_new_tokens=6"])
@@ -65,7 +66,12 @@ def test_idle_rollout_blocks_in_wait_newer_and_wakes_on_new_weights(checkpoint_d
     weights = CountingWeights(hf_tensors(folder))
     worker = W.RolloutWorker("r0", cfg, data, weights,
                              lambda t, v: JaxEngine(mcfg, hf_to_params(mcfg, t), **kw, weight_version=v),
-                             Tok(), RewardScorer(lambda prompt, completion, row: 1.0))
+                             Tok(), reward)
+    return worker, data, weights
+
+
+def test_idle_rollout_blocks_in_wait_newer_and_wakes_on_new_weights(checkpoint_dirs):
+    worker, data, weights = _sync_worker(checkpoint_dirs[0], RewardScorer(lambda prompt, completion, row: 1.0))
     loop = threading.Thread(target=worker.run, daemon=True)
     loop.start()
     try:
@@ -134,20 +140,8 @@ def test_a_rollout_waiting_on_rewards_blocks_on_them_not_on_the_weights(checkpoi
     blocks on the rewards (no `wait_newer` while they are computed: that wait ignores rewards,
     so it held the batch's last group back by up to IDLE_WAIT_S every step), and the groups reach
     the data actor as their rewards come in."""
-    folder = checkpoint_dirs[0]
-    cfg = load_config("configs/default.yaml", [
-        "manager.mode=sync", f"data.group_size={GROUP}", "rollout.max_concurrency=4", "rollout.temperature=0",
-        "rollout.max_new_tokens=6"])
-    rows = [PromptRow(f"q{i}", f"p{i}", "x", {"i": i}) for i in range(8)]
-    data = DataActor(dict(rows=rows, group_size=GROUP, shuffle=False,
-                          encode=lambda s: prompt(int(s[1:]), 5).tolist()),
-                     dict(capacity_groups=16), mode="sync", global_batch=2, max_staleness=None)
-    mcfg, _ = load_pretrained(folder)
-    kw = dict(JAX_ENGINE_KW, max_num_seqs=4, min_rows=4)
-    weights, reward = CountingWeights(hf_tensors(folder)), SlowReward(0.6)
-    worker = W.RolloutWorker("r0", cfg, data, weights,
-                             lambda t, v: JaxEngine(mcfg, hf_to_params(mcfg, t), **kw, weight_version=v),
-                             Tok(), reward)
+    reward = SlowReward(0.6)
+    worker, data, weights = _sync_worker(checkpoint_dirs[0], reward)
     loop = threading.Thread(target=worker.run, daemon=True)
     loop.start()
     try:
