@@ -23,7 +23,7 @@ recompiling; `load_weights` swaps the params between steps, with no recompile ei
 window covers each request's reach (prompt + max_new_tokens, at most max_model_len) from its first
 token, so a request never moves to a wider window as it grows: one decode shape per reach bucket,
 and no wider than the requests can need (a 256-token window for 84-token requests made each tiny
-decode step 2.5x slower: `experiments/bench_engine.py`).
+decode step 2.5x slower: 10.4 against 4.2 ms for 32 rows, measured in one process).
 
 Zero-mismatch mode (a decoder config with `attention="exact"`, what `rollout.zero_mismatch`
 builds): the batch-invariant decoder (`laminar_jax.models.exact`) and sampling from the learner's
