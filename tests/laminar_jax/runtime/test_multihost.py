@@ -6,6 +6,7 @@ each), learn countdown; a learner host killed mid-run stops the run with an erro
 The rollouts keep generating from relay-served weights throughout: nothing of theirs takes part
 in the learners' JAX collectives."""
 import json
+import time
 
 import pytest
 import ray
@@ -70,7 +71,17 @@ def test_two_host_train_learns_then_a_dead_host_stops_it_and_one_host_resumes(cl
     def kill_a_follower(step, fleet, metrics):
         if step >= 20 and 20 in _checkpoints(run_dir) and not killed:
             killed["step"] = step
-            ray.kill(fleet.learner_hosts[1], no_restart=True)   # a real crash: no close
+            follower = fleet.learner_hosts[1]
+            ray.kill(follower, no_restart=True)   # a real crash: no close
+            # ray.kill returns before the process is gone: wait for it, or the next step (0.5 s
+            # here) can finish on both hosts first and the run logs one step more than asserted
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                try:
+                    ray.get(follower.pid.remote(), timeout=10)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break
+                time.sleep(0.05)
     with pytest.raises(Exception, match=r"learner host 1 of learner.hosts=2 is dead"):
         driver.run(cfg, quiet=True, on_step=kill_a_follower)
     crashed = load_run(str(run_dir))
