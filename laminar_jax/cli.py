@@ -13,6 +13,7 @@ Heavy modules (jax, ray) are imported inside the handlers, after the config has 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import pathlib
 import re
@@ -85,11 +86,14 @@ def _cmd_config_show(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(check: str, cfg, path: str) -> None:
-    """The pre-Ray checks (laminar_jax.preflight); warnings go to stderr, one line each."""
+def _preflight(check: str, cfg, path: str):
+    """The pre-Ray checks (laminar_jax.preflight); warnings go to stderr, one line each. Returns
+    the check's result."""
     from laminar_jax import preflight
-    for line in getattr(preflight, check)(cfg, source=path):
+    result = getattr(preflight, check)(cfg, source=path)
+    for line in result if isinstance(result, list) else result.warnings:
         print(f"warning: {line}", file=sys.stderr, flush=True)
+    return result
 
 
 def _cmd_sft(ns: argparse.Namespace) -> int:
@@ -106,10 +110,11 @@ def _cmd_sft(ns: argparse.Namespace) -> int:
 def _cmd_train(ns: argparse.Namespace) -> int:
     path, overrides = _split_config(ns.args, required=False)
     cfg = _load(path, overrides)
-    _preflight("check_train", cfg, path)
+    inputs = _preflight("train_inputs", cfg, path)
     run = _import_entry("laminar_jax.runtime.driver", "run", "the RL runtime",
                         "; `laminar sft` runs supervised training meanwhile")
-    return _with_resume_hint(run, cfg, ns.args)
+    # the dataset and prompt lengths the checks loaded: the run does not load them again
+    return _with_resume_hint(functools.partial(run, inputs=inputs), cfg, ns.args)
 
 
 def _with_resume_hint(run: Callable, cfg, args: Sequence[str]) -> int:

@@ -5,7 +5,9 @@ an SFT warm-up and a 100-line traceback.
 `check_train(cfg, source=...)` / `check_sft(cfg, source=...)` raise `PreflightError` (a
 `ConfigError`: the CLI prints `error: <message>` and exits 2) naming the config file and the
 dotted key, file or row at fault; they return warnings (one line each) for what the run survives,
-e.g. skipped dataset rows or prompts too long for the context. No jax or ray import here.
+e.g. skipped dataset rows or prompts too long for the context. `train_inputs(cfg, source=...)`
+runs the same checks and also returns what they loaded (the dataset, every prompt's length), so
+the run does not load and encode them a second time. No jax or ray import here.
 
 Checked: run.ray_address (syntax, and that something listens there), accelerators asked for on
 a machine that shows none, the learner's mesh against the batch, relay.store_dir and run.out_dir
@@ -21,7 +23,7 @@ import os
 import re
 import socket
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from laminar_jax.config_loader import ConfigError
 
@@ -192,9 +194,10 @@ def check_dataset(cfg: Any, source: str):
     return dataset, warnings
 
 
-def check_prompt_lengths(cfg: Any, source: str, dataset, tokenizer, mcfg) -> list[str]:
+def check_prompt_lengths(cfg: Any, source: str, dataset, tokenizer, mcfg) -> tuple[list[str], list[int]]:
     """Prompts with no room for rollout.max_new_tokens in the context: an error if all are, else
-    a warning with the count (the rollouts reject those groups; the learner never sees them)."""
+    a warning with the count (the rollouts reject those groups; the learner never sees them).
+    Returns (warnings, each prompt's length in tokens)."""
     from laminar_jax.data.prompt_pool import PromptEncoder
     max_len = min(mcfg.max_position_embeddings, cfg.learner.max_seq_len)
     room = max_len - cfg.rollout.max_new_tokens
@@ -209,7 +212,7 @@ def check_prompt_lengths(cfg: Any, source: str, dataset, tokenizer, mcfg) -> lis
         raise _fail(source, "data.chat_template", f"cannot render prompts ({type(e).__name__}: {e})") from None
     too_long = [(n, r) for n, r in zip(lengths, dataset.rows) if n > room]
     if not too_long:
-        return []
+        return [], lengths
     longest, row = max(too_long, key=lambda x: x[0])
     text = (f"{len(too_long)} of {len(lengths)} prompts are longer than learner.max_seq_len={cfg.learner.max_seq_len}"
             f"{f' (model max_position_embeddings={mcfg.max_position_embeddings})' if mcfg.max_position_embeddings < cfg.learner.max_seq_len else ''}"
@@ -217,12 +220,25 @@ def check_prompt_lengths(cfg: Any, source: str, dataset, tokenizer, mcfg) -> lis
             f"{row.source or row.prompt_id})")
     if len(too_long) == len(lengths):
         raise _fail(source, "learner.max_seq_len", text + "; raise learner.max_seq_len or lower rollout.max_new_tokens")
-    return [f"{source}: {text}; their groups will be rejected"]
+    return [f"{source}: {text}; their groups will be rejected"], lengths
 
 
 # ------------------------------------------------------------------ entry points
+class TrainInputs(NamedTuple):
+    """What `train_inputs` checked, for the run to reuse (`driver.run(..., inputs=)`)."""
+    warnings: list[str]
+    dataset: Any               # data.datasets.LoadedDataset: the prompts, bad rows left out
+    prompt_lengths: list[int] | None   # tokens of each prompt as the rollouts encode it; None with
+                                       # the SFT warm-up (its model folder and tokenizer come later)
+
+
 def check_train(cfg: Any, *, source: str = "<config>", environ: Mapping[str, str] = os.environ) -> list[str]:
     """Every pre-Ray check of `laminar train`; returns warning lines, raises `PreflightError`."""
+    return train_inputs(cfg, source=source, environ=environ).warnings
+
+
+def train_inputs(cfg: Any, *, source: str = "<config>", environ: Mapping[str, str] = os.environ) -> TrainInputs:
+    """`check_train`, keeping the dataset and prompt lengths it loaded and measured."""
     check_ray_address(cfg, source, environ)
     check_accelerators(cfg, source, environ)
     check_mesh(cfg, source)
@@ -231,7 +247,8 @@ def check_train(cfg: Any, *, source: str = "<config>", environ: Mapping[str, str
     check_reward(cfg, source)
     mcfg, tokenizer = check_model(cfg, source)
     dataset, warnings = check_dataset(cfg, source)
-    return warnings + check_prompt_lengths(cfg, source, dataset, tokenizer, mcfg)
+    too_long, lengths = check_prompt_lengths(cfg, source, dataset, tokenizer, mcfg)
+    return TrainInputs(warnings + too_long, dataset, lengths if cfg.model.hf_path is not None else None)
 
 
 def check_sft(cfg: Any, *, source: str = "<config>") -> list[str]:

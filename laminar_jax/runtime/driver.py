@@ -90,9 +90,11 @@ def _final_save(fleet: Fleet, step: int, run_dir: str) -> None:
 
 
 def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
-        latency_model: Any = None, min_update_s: float = 0.0, quiet: bool = False) -> dict:
+        latency_model: Any = None, min_update_s: float = 0.0, quiet: bool = False, inputs: Any = None) -> dict:
     """Trains for `cfg.run.steps` learner steps (versions); returns the summary dict.
 
+    inputs: `preflight.train_inputs(cfg)` when the caller has run it (the CLI): its dataset and
+    prompt lengths are used instead of loading and encoding them again.
     on_step(step, fleet, metrics) is called after each step (tests kill rollouts from it).
     latency_model / min_update_s (benchmarks): every decode step lasts what the model gives, every
     learner update at least min_update_s, emulating accelerator-bound rollouts and learner.
@@ -131,7 +133,7 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     stores: list[tuple[str, int]] = []   # (weight store, learner pid)
     try:
         return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
-                      stores)
+                      stores, inputs)
     finally:
         writer.close()
         # the learner removes its weight store on close; a crashed one leaves it behind
@@ -148,12 +150,14 @@ _SUMMARY_KEYS = ("reward_mean", "exact_rate", "staleness_mean", "staleness_max",
 
 
 def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
-           stores) -> dict:
+           stores, inputs) -> dict:
     t0 = time.time()
     limit = EventLimiter(writer.log_event)
     events = lambda kind, **f: limit(kind, **{k: v for k, v in f.items() if k != "time"})  # noqa: E731
     fleet = Fleet.start(cfg, run_dir, model_dir, events=events, latency_model=latency_model,
-                        min_update_s=min_update_s, resume=plan.resume, on_phase=clock.mark)
+                        min_update_s=min_update_s, resume=plan.resume, on_phase=clock.mark,
+                        dataset=None if inputs is None else inputs.dataset,
+                        prompt_lengths=None if inputs is None else inputs.prompt_lengths)
     for bad in fleet.bad_rows:
         writer.log_event("bad_row", source=bad.source, location=bad.location, reason=bad.reason)
     stores.append((ray.get(fleet.learner.weight_store.remote(), timeout=60).root,

@@ -122,13 +122,14 @@ class Fleet:
     @classmethod
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, events=None,
               latency_model: Any = None, resume: bool = True, min_update_s: float = 0.0,
-              on_phase: Any = None) -> "Fleet":
+              on_phase: Any = None, dataset: Any = None, prompt_lengths: Any = None) -> "Fleet":
         """Start-up order (DESIGN.md "Processes"): the data and learner actors are created first,
         with the learner's first publish queued behind its init; the rollouts and relays start
         while the learner initialises (the driver names the weight store, so nothing waits for
         the learner but the publish), and the rollouts build their engines on the first weights
         they pull. on_phase(key, text) is told each phase as it ends (key: the summary's
-        `startup` entry, text: the start-up line)."""
+        `startup` entry, text: the start-up line). dataset / prompt_lengths: already loaded and
+        measured (`preflight.train_inputs`), else loaded and encoded here."""
         engines.check_engines(cfg, model_dir)
         phase = on_phase or (lambda key, text: None)
         mesh = cfg.mesh
@@ -138,11 +139,13 @@ class Fleet:
         learner_group.check(cfg, kind)   # learner.hosts: the mesh splits and the hosts can be placed
         reward = resolve_reward(cfg.reward, answer_field=cfg.data.answer_field)
         tokenizer = engines.tokenizer_for(model_dir)
-        dataset = load_dataset(cfg.data, seed=cfg.run.seed)
+        dataset = dataset if dataset is not None else load_dataset(cfg.data, seed=cfg.run.seed)
         encode = PromptEncoder(tokenizer, chat_template=cfg.data.chat_template)
         pool_kw = prompt_pool_kwargs(cfg.data, seed=cfg.run.seed, dataset=dataset, encode=encode)
         # the learner compiles no length bucket past the longest row this data can make
-        reach = row_reach(cfg, [len(encode(r.prompt)) for r in dataset.rows])
+        if prompt_lengths is None:
+            prompt_lengths = [len(encode(r.prompt)) for r in dataset.rows]
+        reach = row_reach(cfg, prompt_lengths)
         buffer_kw = buffer_kwargs(cfg.data, seed=cfg.run.seed)
         # the learner takes a whole global batch at once: a smaller buffer could never hold one
         buffer_kw["capacity_groups"] = max(buffer_kw["capacity_groups"], cfg.learner.global_batch_groups)

@@ -23,6 +23,7 @@ from laminar_jax import cli
 from laminar_jax.data.char_tokenizer import CharTokenizer
 from laminar_jax.models.config import DecoderConfig
 from laminar_jax.models.hf import INDEX_FILE, SINGLE_FILE, name_map
+from laminar_jax.models.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT = os.path.join(REPO, "configs", "default.yaml")
@@ -210,7 +211,7 @@ def runtime_entry(monkeypatch):
     calls = []
     for name in ("laminar_jax.runtime.driver", "laminar_jax.learner.sft"):
         module = types.ModuleType(name)
-        module.run = calls.append
+        module.run = lambda cfg, **kw: calls.append((cfg, kw))
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # the accelerator case, on any machine
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -264,6 +265,21 @@ def test_survivable_input_warns_with_file_and_line_and_the_run_goes_on(world, ru
 def test_good_model_folder_passes(world, runtime_entry, capsys):
     assert cli.main(["train", DEFAULT, *model_at(world.good_model, world)]) == 0
     assert len(runtime_entry) == 1 and capsys.readouterr().err == ""
+
+
+def test_train_reuses_the_checked_dataset_and_prompt_lengths(world, runtime_entry):
+    """The run gets the rows and prompt lengths the checks loaded (it would load and encode them
+    again otherwise); the lengths are the model's tokenizer's."""
+    assert cli.main(["train", DEFAULT, *model_at(world.good_model, world)]) == 0
+    ((cfg, kw),) = runtime_entry
+    inputs = kw["inputs"]
+    assert [r.prompt for r in inputs.dataset.rows] == [r["prompt"] for r in GOOD_ROWS]
+    tok = load_tokenizer(str(world.good_model))
+    assert inputs.prompt_lengths == [len(tok.encode(r["prompt"])) for r in GOOD_ROWS]
+    # without a model folder the SFT warm-up makes the tokenizer later: no lengths yet
+    runtime_entry.clear()
+    assert cli.main(["train", DEFAULT, *rows_at(world, world.rows)]) == 0
+    assert runtime_entry[0][1]["inputs"].prompt_lengths is None
 
 
 _PROBE = """

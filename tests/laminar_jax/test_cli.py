@@ -91,7 +91,7 @@ def _fake_module(monkeypatch, name, **attrs):
     ("sft", "laminar_jax.learner.sft"), ("train", "laminar_jax.runtime.driver")])
 def test_sft_and_train_hand_the_loaded_config_to_run(monkeypatch, tmp_path, command, module):
     received = []
-    _fake_module(monkeypatch, module, run=received.append)
+    _fake_module(monkeypatch, module, run=lambda cfg, **kw: received.append(cfg))
     path = tmp_path / "c.yaml"
     path.write_text("run:\n  steps: 7\n")
     assert cli.main([command, str(path), "optimizer.lr=0.25"]) == 0
