@@ -33,6 +33,7 @@ behaviour log-prob equals the learner's recompute at its version bit for bit.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from laminar_jax import compile_turns
 from laminar_jax.models.config import DecoderConfig
 from laminar_jax.models.decoder import Decoder
 from laminar_jax.models.hf import load_pretrained, name_map, params_to_hf
@@ -101,13 +103,16 @@ class JaxEngine:
     `cfg.max_position_embeddings`; `num_pages` (the KV budget, in pages of `page_size` tokens)
     defaults to enough for `max_num_seqs` full-length requests. `seed` seeds the per-request seeds
     of requests without one. `min_rows` / `min_window_pages` raise the smallest row and window
-    buckets (fewer compiled shapes, more padding). Implements `rollout.engine.RolloutEngine`.
+    buckets (fewer compiled shapes, more padding). `compile_turns`: a folder inside the shared
+    persistent compile cache; engines of one machine then compile each program once, one after
+    another (`laminar_jax.compile_turns`). Implements `rollout.engine.RolloutEngine`.
     """
 
     def __init__(self, cfg: DecoderConfig, params=None, *, hf_tensors: Mapping | None = None,
                  weight_layout: str | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, max_prefill_tokens: int = 4096,
-                 min_rows: int = 1, min_window_pages: int = 1, weight_version: int = 0, seed: int = 0):
+                 min_rows: int = 1, min_window_pages: int = 1, weight_version: int = 0, seed: int = 0,
+                 compile_turns: str | None = None):
         self.cfg = cfg
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         if self.max_model_len > cfg.max_position_embeddings:
@@ -127,6 +132,8 @@ class JaxEngine:
         self._k = jnp.zeros(shape, jnp.dtype(cfg.dtype))
         self._v = jnp.zeros(shape, jnp.dtype(cfg.dtype))
         self._decode_fn, self._prefill_fn, self._extend_fn = make_step_fns(self._graphdef)
+        # engines of one machine compile each program once (laminar_jax.compile_turns)
+        self._turns, self._called = compile_turns, set()
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
@@ -353,12 +360,14 @@ class JaxEngine:
             else:
                 tokens[i], lengths[i] = seq.tokens[-1], seq.kv_len
         sampling = (rows, valid, temp, top_k, top_p, seeds, counters)
-        if extend_pages:
-            self._k, self._v, nxt, logp, raw = self._extend_fn(self._params, self._k, self._v, tokens, starts,
-                                                               lengths, *sampling)
-        else:
-            fn = self._prefill_fn if prefill else self._decode_fn
-            self._k, self._v, nxt, logp, raw = fn(self._params, self._k, self._v, tokens, lengths, *sampling)
+        kind = "extend" if extend_pages else "prefill" if prefill else "decode"
+        with self._compile_turn(kind, tokens.shape, pw):
+            if extend_pages:
+                self._k, self._v, nxt, logp, raw = self._extend_fn(self._params, self._k, self._v, tokens, starts,
+                                                                   lengths, *sampling)
+            else:
+                fn = self._prefill_fn if prefill else self._decode_fn
+                self._k, self._v, nxt, logp, raw = fn(self._params, self._k, self._v, tokens, lengths, *sampling)
         nxt, logp, raw = np.asarray(nxt), np.asarray(logp), np.asarray(raw)
         now = time.time()
         for i, seq in enumerate(seqs):
@@ -369,6 +378,17 @@ class JaxEngine:
             seq.versions.append(self.weight_version)
             seq.kv_version = self.weight_version
             seq.first_token = seq.first_token or now
+
+    def _compile_turn(self, kind: str, tokens_shape: tuple, pages: int):
+        """The machine-wide turn for a program's first call in this engine (its compile, or its
+        load from the compile cache); later calls need none."""
+        sig = (kind, tuple(tokens_shape), pages)
+        if self._turns is None or sig in self._called:
+            return contextlib.nullcontext()
+        self._called.add(sig)
+        key = repr((sig, self.cfg, self.weight_layout, self.num_pages, self.page_size, self.max_model_len,
+                    jax.__version__, jax.default_backend()))
+        return compile_turns.turn(self._turns, key)
 
     def _finish(self, seqs: list[_Seq]) -> list[E.Completion]:
         done = []

@@ -16,6 +16,8 @@ import os
 # cache every executable, however quick its compile (the tiny model's compiles are < 1 s each,
 # JAX's default threshold would skip them, and they add up to many seconds)
 _MIN_COMPILE_S = 0
+# the compile turns' lock files (laminar_jax.compile_turns), a sub-folder of the cache
+TURNS = "turns"
 
 
 def resolve(path: str | None) -> str | None:

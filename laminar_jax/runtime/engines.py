@@ -212,7 +212,7 @@ class EngineFactory:
         from laminar_jax.runtime import compile_cache
         from rollout.jax_engine import JaxEngine
 
-        compile_cache.enable(self.cfg.run.compile_cache)
+        cache = compile_cache.enable(self.cfg.run.compile_cache)
         r = self.cfg.rollout
         pages_per_seq = -(-max_len // PAGE_SIZE)
         # Windows follow the requests' reach (prompt + max_new_tokens), except in zero-mismatch
@@ -221,7 +221,8 @@ class EngineFactory:
                            max_num_seqs=r.max_concurrency, max_model_len=max_len, page_size=PAGE_SIZE,
                            num_pages=max(pages_per_seq, r.kv_budget_tokens // PAGE_SIZE),
                            min_rows=r.max_concurrency, min_window_pages=pages_per_seq if r.zero_mismatch else 1,
-                           weight_version=version, seed=self.seed)
+                           weight_version=version, seed=self.seed,
+                           compile_turns=None if cache is None else os.path.join(cache, compile_cache.TURNS))
         engine.kind = "jax"
         return engine
 
