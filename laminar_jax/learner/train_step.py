@@ -165,8 +165,11 @@ class AheadOfTime:
     first rollouts generate); a call whose inputs have a precompiled signature runs that
     executable, waiting up to `wait_s` for one still compiling -- or only promised with
     `reserve(*abstract_args)`, so a call never compiles what the background thread is about to.
-    `release()` drops promises whose compile never started (a failed thread). Any other call goes
-    through the jit (which compiles a new signature once); `call_compiles` counts those.
+    A call of a promised signature whose compile has not begun compiles it itself, at the
+    caller's priority (the background thread runs niced, and would reach it only after the
+    shapes queued before it), and the background thread then skips it. `release()` drops
+    promises whose compile never started (a failed thread). Any other call goes through the jit
+    (which compiles a new signature once); `call_compiles` counts those.
     """
 
     def __init__(self, jitted: Any, wait_s: float = 600.0):
@@ -207,8 +210,17 @@ class AheadOfTime:
 
     def __call__(self, *args: Any) -> Any:
         key = signature(args)
-        done = self._pending.get(key)
-        if done is not None and not done.wait(self.wait_s):
+        with self._lock:
+            done = self._pending.get(key)
+            claim = done is not None and key not in self._started and key not in self._exe
+            if claim:
+                self._started.add(key)
+        if claim:   # promised but not begun: compiled here, not after the background's others
+            try:
+                self._exe[key] = self.jitted.lower(*args).compile()
+            finally:
+                done.set()
+        elif done is not None and not done.wait(self.wait_s):
             raise TimeoutError(f"ahead-of-time compile of a learner step did not finish in {self.wait_s:.0f} s")
         exe = self._exe.get(key)
         if exe is not None:

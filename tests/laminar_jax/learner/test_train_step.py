@@ -171,28 +171,56 @@ def test_non_finite_loss_raises_naming_the_step_and_keeps_the_state():
     assert np.isfinite(m["loss"]) and int(kept.step) == 2
 
 
-def test_ahead_of_time_reserve_makes_a_call_wait_and_release_unblocks():
-    """A reserved signature: the call waits for the background compile instead of compiling it
-    itself (`call_compiles` stays 0); an unreserved one compiles in the call; `release` frees
-    a promise whose compile never started."""
+def test_ahead_of_time_promises_compile_once_at_the_callers_priority_and_release_unblocks():
+    """A promised signature is compiled once and never counted as a call compile: a call before
+    the background thread began it compiles it itself (the thread then skips it); a call while
+    the thread compiles it waits for that compile. An unpromised one compiles in the call;
+    `release` frees a promise whose compile never started."""
     import threading
     import time
 
     from laminar_jax.learner.train_step import AheadOfTime
-    aot = AheadOfTime(jax.jit(lambda x: x * 2), wait_s=30)
-    spec = jax.ShapeDtypeStruct((3,), jnp.float32)
-    aot.reserve(spec)
+
+    class Gated:   # a jit whose lowering waits for `go` (a compile in progress, for as long as needed)
+        def __init__(self, fn):
+            self.jitted, self.go, self.lowered = jax.jit(fn), threading.Event(), []
+
+        def lower(self, *args):
+            self.lowered.append(args[0].shape)
+            self.go.wait(30)
+            return self.jitted.lower(*args)
+
+        def __call__(self, *args):
+            return self.jitted(*args)
+
+    gated = Gated(lambda x: x * 2)
+    aot = AheadOfTime(gated, wait_s=30)
+    gated.go.set()
+    aot.reserve(jax.ShapeDtypeStruct((3,), jnp.float32))
     x = jnp.ones(3, jnp.float32)
+    np.testing.assert_array_equal(aot(x), 2 * x)   # not begun: compiled by the call
+    aot.precompile(jax.ShapeDtypeStruct((3,), jnp.float32))   # the background thread skips it
+    assert gated.lowered == [(3,)] and aot.call_compiles == 0
+
+    gated.go.clear()
+    spec = jax.ShapeDtypeStruct((6,), jnp.float32)
+    aot.reserve(spec)
+    background = threading.Thread(target=aot.precompile, args=(spec,))
+    background.start()
+    while gated.lowered[-1] != (6,):
+        time.sleep(0.01)
     out = []
-    caller = threading.Thread(target=lambda: out.append(aot(x)))
+    caller = threading.Thread(target=lambda: out.append(aot(jnp.ones(6, jnp.float32))))
     caller.start()
     time.sleep(0.3)
-    assert caller.is_alive() and not out          # waiting on the promise, not compiling
-    aot.precompile(spec)
+    assert caller.is_alive() and not out          # waiting for the compile in progress
+    gated.go.set()
     caller.join(30)
-    np.testing.assert_array_equal(out[0], 2 * x)
-    assert aot.call_compiles == 0
-    aot(jnp.ones(4, jnp.float32))                  # never precompiled: compiles in the call
+    background.join(30)
+    np.testing.assert_array_equal(out[0], 2 * np.ones(6))
+    assert gated.lowered == [(3,), (6,)] and aot.call_compiles == 0
+
+    aot(jnp.ones(4, jnp.float32))                  # never promised: compiles in the call
     assert aot.call_compiles == 1
     aot.reserve(jax.ShapeDtypeStruct((5,), jnp.float32))
     aot.release()                                  # the thread died before compiling it
