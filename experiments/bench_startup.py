@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--before", required=True, help="checkout of the baseline (e.g. /work/main)")
     p.add_argument("--after", default=REPO)
     p.add_argument("--reps", type=int, default=2, help="interleaved hf-warm runs per checkout")
+    p.add_argument("--cold-reps", type=int, default=1, help="interleaved hf-cold runs per checkout")
     p.add_argument("--cases", nargs="+", default=["hf-warm", "hf-cold", "warm-up"])
     p.add_argument("--init", default=None, help="SFT checkpoint for the hf cases (default: laminar sft once)")
     p.add_argument("--work", default="/tmp/laminar-bench-startup")
@@ -119,11 +120,11 @@ def main() -> None:
     for rep in range(a.reps if "hf-warm" in a.cases else 0):
         for side in (order if rep % 2 == 0 else order[::-1]):
             timed(side, "hf-warm", rep, hf, caches[side])
-    if "hf-cold" in a.cases:
-        for side in order[::-1]:
+    for rep in range(a.cold_reps if "hf-cold" in a.cases else 0):
+        for side in (order[::-1] if rep % 2 == 0 else order):
             cold = os.path.join(a.work, f"cache-cold-{side}")
             shutil.rmtree(cold, ignore_errors=True)
-            timed(side, "hf-cold", 0, hf, cold)
+            timed(side, "hf-cold", rep, hf, cold)
     if "warm-up" in a.cases:
         for side in order:
             timed(side, "warm-up", 0, a.set, caches[side])
