@@ -10,8 +10,8 @@ of which only imports the modules its role imports at start-up and initialises J
 where the role uses JAX. No model, no weights, no compile or compile-cache load, no generation,
 no step. Prints launch -> Ray up and launch -> every actor ready (the floor) per rep, with the
 CPU seconds of the actors. Then, per `--compile-reps`, a fresh process compiles the learner's
-update for the smallest length bucket of the default config (advantages, the batch log-probs and
-the train step: what the first RL step cannot start without) on an empty compile cache, alone on
+update for the smallest length bucket of the default config (advantages and the train step, plus
+the batch log-prob pass where the run has one: what the first RL step cannot start without) on an empty compile cache, alone on
 the machine: the least a cold start adds. Writes experiments/results/startup_floor.json.
 
 Why: issue 20 asks for <= 10 s from launch to the end of the first RL step with a warm compile
@@ -87,16 +87,16 @@ def compile_first_bucket() -> dict:
 
     from laminar_jax.config import load_config
     from laminar_jax.learner.setup import build
-    from laminar_jax.runtime import compile_cache, rl_step
+    from laminar_jax.runtime import compile_cache, engine_metrics, rl_step
     compile_cache.enable(tempfile.mkdtemp(prefix="laminar-floor-cache-"))   # as the learner does, empty
     cfg = load_config(os.path.join(REPO, "configs", "default.yaml"), [])
-    rows = cfg.learner.global_batch_groups * cfg.data.group_size
+    rows = cfg.learner.global_batch_groups // cfg.learner.mini_batches * cfg.data.group_size   # as the learner
     setup = build(cfg, total_steps=cfg.run.steps)
-    fns = rl_step.build(cfg, setup, mini_batch_rows=rows)
+    fns = rl_step.build(cfg, setup, mini_batch_rows=rows, batch_logp=engine_metrics.needs_batch_logp_pass(cfg, rows))
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), setup.state)
     rows, length = min(rl_step.batch_shapes(cfg, fns), key=lambda s: s[0] * s[1])
     t, c = time.time(), time.process_time()
-    fns.precompile(state, rows, length, cfg.learner.global_batch_groups, rows)
+    fns.precompile(state, rows, length, cfg.learner.global_batch_groups, cfg.learner.global_batch_groups * cfg.data.group_size)
     return dict(shape=[rows, length], wall_s=time.time() - t, cpu_s=time.process_time() - c)
 
 

@@ -56,6 +56,13 @@ def logp_from_train_step(cfg: Any, mini_batch_rows: int) -> bool:
             and not getattr(cfg.rollout, "zero_mismatch", False))
 
 
+def needs_batch_logp_pass(cfg: Any, mini_batch_rows: int) -> bool:
+    """Whether the learner runs (and precompiles) the separate log-prob pass over the whole
+    batch: where the train step's forward does not give this version's log-probs, or past
+    versions' are kept (`learner.mismatch_versions`)."""
+    return not logp_from_train_step(cfg, mini_batch_rows) or cfg.learner.mismatch_versions > 0
+
+
 def at_token_versions(staleness: np.ndarray, logp_by_staleness: Mapping[int, Any]) -> tuple[np.ndarray, np.ndarray]:
     """(log-probs, measured): each token's learner log-prob at its own version, taken from
     `logp_by_staleness[s]` (the learner's log-probs at version v - s, shape of `staleness`)

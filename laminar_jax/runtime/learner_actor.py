@@ -103,7 +103,7 @@ class Learner:
         # where it covers the batch; the separate pass over the batch for the rest
         self._logp_from_step = engine_metrics.logp_from_train_step(cfg, rows)
         self.fns = rl_step.build(cfg, self.setup, mini_batch_rows=rows,
-                                 batch_logp=not self._logp_from_step or cfg.learner.mismatch_versions > 0)
+                                 batch_logp=engine_metrics.needs_batch_logp_pass(cfg, rows))
         clock.mark("build")
         self.state, self.version = self.setup.state, 0
         self._lock, self._events = threading.Lock(), []
