@@ -141,13 +141,21 @@ class RolloutWorker:
             self.counters["wait_s"] += time.perf_counter() - t0
             if got is None:
                 continue
-            t0 = time.perf_counter()
-            engine = self._make_engine(got[1], got[0])
-            self.counters["reload_s"] += time.perf_counter() - t0
-            self.counters["busy_s"] += time.perf_counter() - t0
+            engine, build = self._build(*got)
+            self.counters["reload_s"] += build["build_s"]
+            self.counters["busy_s"] += build["build_s"]
             with self._lock:
                 self.engine = engine
-                self._pulled(got[0], False)
+                self._pulled(got[0], False, **build)
+
+    def _build(self, version: int, tensors: dict) -> tuple[Any, dict]:
+        """The engine on the first weights, and its pull event's fields: build_s, and
+        imports_warm (its modules were imported, or being imported, before the weights came:
+        the factory's `imports_started`, after the spawner's warm_imports)."""
+        warm = getattr(self._make_engine, "imports_started", lambda: None)()
+        t0 = time.perf_counter()
+        engine = self._make_engine(tensors, version)
+        return engine, {"imports_warm": warm, "build_s": time.perf_counter() - t0}
 
     def _idle_wait(self) -> None:
         """Nothing to generate: block (outside the lock, so the manager's calls go on) until newer
@@ -227,13 +235,10 @@ class RolloutWorker:
         got = self.weights.newer_than(-1)
         if got is None:
             return False
-        version, tensors = got
-        engine = self._make_engine(tensors, version)
+        engine, build = self._build(*got)
         with self._lock:
             self.engine = engine
-            self.counters["pulls"] += 1
-            self._event("pull", version=version, interrupted=0, engine=getattr(engine, "kind", None),
-                        node=node_id(), relay_node=self.weights.node())
+            self._pulled(got[0], False, **build)
         return True
 
     def _maybe_pull(self, in_flight: bool) -> None:
@@ -250,18 +255,18 @@ class RolloutWorker:
 
     def _load(self, got: tuple[int, dict], in_flight: bool) -> None:
         version, tensors = got
-        t0 = time.perf_counter()
+        t0, build = time.perf_counter(), {}
         if self.engine is None:
-            self.engine = self._make_engine(tensors, version)
+            self.engine, build = self._build(version, tensors)
         else:
             partials = self.engine.abort([p.request_id for p in self.engine.partials()]) if in_flight else []
             self.engine.load_weights(tensors, version)
             self.engine.add([p.to_request() for p in partials])
             self.counters["interrupts"] += bool(partials)
         self.counters["reload_s"] += time.perf_counter() - t0
-        self._pulled(version, in_flight, load_s=time.perf_counter() - t0)
+        self._pulled(version, in_flight, load_s=time.perf_counter() - t0, **build)
 
-    def _pulled(self, version: int, in_flight: bool, load_s: float | None = None) -> None:
+    def _pulled(self, version: int, in_flight: bool, load_s: float | None = None, **build) -> None:
         self._released = False
         self.counters["pulls"] += 1
         # seen_t: when the source learnt of the newest version (a relay's watcher); read_s: its
@@ -270,7 +275,7 @@ class RolloutWorker:
         # (free_since: when the last batch's work ended; laminar mode loads only between batches).
         self._event("pull", version=version, interrupted=int(in_flight), engine=getattr(self.engine, "kind", None),
                     node=node_id(), relay_node=self.weights.node(), seen_t=getattr(self.weights, "seen_t", None),
-                    read_s=getattr(self.weights, "read_s", None), load_s=load_s, free_since=self._free_since)
+                    read_s=getattr(self.weights, "read_s", None), load_s=load_s, free_since=self._free_since, **build)
 
     def _catching_up(self) -> bool:
         """Newer weights are published and the source is failing over to reach them (bounded by

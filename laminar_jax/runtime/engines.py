@@ -165,13 +165,26 @@ def vllm_kwargs(accelerators: float, kind: str | None, gpu_memory_utilization: f
     return out
 
 
-def warm_imports(_actor: Any, engine: str, compile_cache_dir: str | None) -> None:
-    """Imports a JAX rollout's engine modules (jax, flax, the engine) and turns its compile cache
-    on; sent to a new rollout (`actor.__ray_call__`) so this runs while the learner initialises.
-    Without it each rollout imported them only once the first weights had come: seconds on the
-    start-up's critical path. (vLLM's import stays where it is: it may claim the GPU.)"""
+_warming: set[str] = set()   # the engines whose warm_imports began in this process
+
+
+def warm_imports(_actor: Any, engine: str, compile_cache_dir: str | None, accelerators: float = 0.0) -> None:
+    """Imports a rollout's engine modules, sent to a new rollout (`actor.__ray_call__`) so this
+    runs while the learner initialises. Without it each rollout imported them only once the
+    first weights had come: seconds on the start-up's critical path. JAX: jax, flax, the engine,
+    and its compile cache turned on. vLLM on CPU (no `accelerators`): its engine modules, ~6 CPU
+    s of the ~17 its engine takes to start. A vLLM rollout with a GPU imports vLLM where it
+    builds its engine, as before: the import may claim the GPU."""
+    if engine == "vllm" and not accelerators:
+        _warming.add(engine)
+        import vllm.engine.arg_utils  # noqa: F401
+        import vllm.v1.engine.llm_engine  # noqa: F401
+
+        from rollout import vllm_engine  # noqa: F401
+        return
     if engine != "jax":
         return
+    _warming.add(engine)
     from laminar_jax.models import hf  # noqa: F401
     from laminar_jax.runtime import compile_cache
     from rollout import jax_engine  # noqa: F401
@@ -207,6 +220,11 @@ class EngineFactory:
         max_len = min(mcfg.max_position_embeddings, self.cfg.learner.max_seq_len)
         engine = (self._vllm if self.cfg.rollout.engine == "vllm" else self._jax)(mcfg, tensors, version, max_len)
         return engine if self.latency_model is None else LatencyEngine(engine, self.latency_model)
+
+    def imports_started(self) -> bool:
+        """Whether `warm_imports` of this rollout's engine began in this process (it may still
+        be importing): the worker logs it with its first pull, before it builds the engine."""
+        return self.cfg.rollout.engine in _warming
 
     def _jax(self, mcfg, tensors, version, max_len):
         from laminar_jax.runtime import compile_cache

@@ -84,7 +84,7 @@ class RolloutSpawner:
         handle = ray.remote(RolloutWorker).options(**opts).remote(
             p.rid, p.cfg, self.data, self.source, p.factory, self.tokenizer, self.scorer)
         # the engine's imports run now, while the rollout waits for its first weights (fire and forget)
-        handle.__ray_call__.remote(engines.warm_imports, p.pool.engine, self.cfg.run.compile_cache)
+        handle.__ray_call__.remote(engines.warm_imports, p.pool.engine, self.cfg.run.compile_cache, p.accelerators)
         return p.rid, handle
 
 

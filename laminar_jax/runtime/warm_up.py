@@ -44,11 +44,13 @@ def _env(cfg: Any) -> dict[str, str]:
 class WarmUp:
     """`laminar sft` of `cfg` into `model_dir(run_dir)`, in a child process; `result(timeout)`
     waits for it. An existing model there is reused (e.g. made by `laminar sft` with the same
-    run name): then nothing runs."""
+    run name): then nothing runs. `output`: a file for the child's stdout and stderr (default:
+    this process's console)."""
 
-    def __init__(self, cfg: Any, run_dir: str, *, announce: bool = True):
+    def __init__(self, cfg: Any, run_dir: str, *, announce: bool = True, output: Any = None):
         self.model_dir = model_dir(run_dir)
         self.proc: subprocess.Popen | None = None
+        self.output_path = getattr(output, "name", None)
         if os.path.exists(os.path.join(self.model_dir, "config.json")):
             return
         sft_cfg = sft_config(cfg, run_dir)
@@ -59,7 +61,8 @@ class WarmUp:
         if announce:
             print(f"warm-up: {cfg.sft.steps} supervised steps on {cfg.data.task} before RL", flush=True)
         self.proc = subprocess.Popen([sys.executable, "-m", "laminar_jax.cli", "sft", self.config_path],
-                                     env=_env(cfg), stdin=subprocess.DEVNULL)
+                                     env=_env(cfg), stdin=subprocess.DEVNULL, stdout=output,
+                                     stderr=None if output is None else subprocess.STDOUT)
 
     def result(self, timeout: float = TIMEOUT_S) -> str:
         """The model folder once the warm-up is done; TimeoutError (the warm-up stopped) past
@@ -72,8 +75,9 @@ class WarmUp:
             self.stop()
             raise TimeoutError(f"the supervised warm-up (sft.steps) did not finish within {timeout:.0f} s") from None
         if code != 0 or not os.path.exists(os.path.join(self.model_dir, "config.json")):
+            where = f"in {self.output_path}" if self.output_path else "printed above"
             raise RuntimeError(f"the supervised warm-up (`laminar sft {self.config_path}`) failed with exit code "
-                               f"{code}; its error is printed above")
+                               f"{code}; its error is {where}")
         return self.model_dir
 
     def stop(self) -> None:

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.laminar_jax.runtime.runtime_fixtures import base_config, countdown_warm_up, start_cluster, warm_up_model
+from tests.laminar_jax.runtime.runtime_fixtures import base_config, start_cluster, warm_up_result
 
 
 # Package scope: the cluster goes down when the runtime tests are done, so later test modules
@@ -15,14 +15,16 @@ def cluster():
         c.shutdown()
 
 
+# Both warm-ups start in the background at the end of collection (tests/conftest.py): these
+# wait for them.
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory):
-    return warm_up_model(str(tmp_path_factory.mktemp("warm")))
+    return warm_up_result("warm_model", str(tmp_path_factory.getbasetemp()))
 
 
 @pytest.fixture(scope="session")
 def countdown_model(tmp_path_factory):
-    return countdown_warm_up(str(tmp_path_factory.mktemp("warm_countdown")))
+    return warm_up_result("countdown_model", str(tmp_path_factory.getbasetemp()))
 
 
 # Package scope, as the cluster it runs on.

@@ -45,7 +45,7 @@ COUNTDOWN = ["data.task=countdown", "data.task_max_n=12", "data.num_prompts=1024
 
 def countdown_config(tmp_dir: str, name: str, model_dir: str, **sections) -> Config:
     """The learning check's run: countdown up to 12 (long-tailed answers of 2 to 27 tokens, partial
-    credit) from the noisy warm-up of `countdown_warm_up`; `sections` override dotted keys."""
+    credit) from the noisy warm-up of `countdown_warm_up_config`; `sections` override dotted keys."""
     overrides = {k.split("=")[0]: k.split("=")[1] for k in COUNTDOWN}
     overrides.update({"run.steps": 20, "reward.fn": "task", "learner.global_batch_groups": 4,
                       "data.group_size": 8, "rollout.max_concurrency": 32, "rollout.kv_budget_tokens": 2048,
@@ -56,24 +56,50 @@ def countdown_config(tmp_dir: str, name: str, model_dir: str, **sections) -> Con
                        + [f"{k}={v}" for k, v in overrides.items()])
 
 
-def countdown_warm_up(tmp_dir: str) -> str:
+def countdown_warm_up_config(tmp_dir: str) -> tuple[Config, str]:
     """Supervised warm-up on noisy countdown demonstrations (a number skipped with probability
-    0.4 per step): a policy that counts but skips, which RL can sharpen within a few steps.
-    `laminar sft` in its own process, as `laminar train` runs it (runtime.warm_up): with the XLA
-    flags of a run, not this process's -O0 (tests/conftest.py), under which it ran 2.7x slower."""
-    from laminar_jax.runtime import warm_up
+    0.4 per step): a policy that counts but skips, which RL can sharpen within a few steps."""
     cfg = load_config("configs/default.yaml", [f"run.out_dir={tmp_dir}", "run.name=warm_countdown", *COUNTDOWN,
                                                "sft.steps=300", "sft.batch_size=32", "sft.seq_len=48",
                                                "sft.demo_noise=0.4"])
-    return warm_up.WarmUp(cfg, os.path.join(tmp_dir, "warm_countdown"), announce=False).result(timeout=1800)
+    return cfg, os.path.join(tmp_dir, "warm_countdown")
 
 
-def warm_up_model(tmp_dir: str) -> str:
-    """Supervised warm-up on the arithmetic task (as `countdown_warm_up`, in its own process)."""
-    from laminar_jax.runtime import warm_up
+def warm_up_config(tmp_dir: str) -> tuple[Config, str]:
+    """Supervised warm-up on the arithmetic task."""
     cfg = load_config("configs/default.yaml", [f"run.out_dir={tmp_dir}", "run.name=warm", "data.task=arithmetic",
                                                "sft.steps=100", "sft.batch_size=32", "sft.seq_len=32"])
-    return warm_up.WarmUp(cfg, os.path.join(tmp_dir, "warm"), announce=False).result(timeout=1800)
+    return cfg, os.path.join(tmp_dir, "warm")
+
+
+# fixture name -> its warm-up. Each is `laminar sft` in its own process, as `laminar train` runs
+# it (runtime.warm_up): with the XLA flags of a run, not this process's -O0 (tests/conftest.py),
+# under which it ran 2.7x slower.
+WARM_UPS = {"warm_model": warm_up_config, "countdown_model": countdown_warm_up_config}
+_started: dict = {}
+
+
+def start_warm_ups(names, tmp_dir: str) -> None:
+    """Starts the warm-ups of `names` now, in the background (tests/conftest.py does at the end
+    of collection): their processes train beside the in-process tests, which use about one of
+    the machine's cores, instead of before the first runtime test. Output goes to a log each."""
+    from laminar_jax.runtime import warm_up
+    for name in names:
+        if name not in _started:
+            cfg, run_dir = WARM_UPS[name](os.path.join(tmp_dir, name))
+            log = open(os.path.join(tmp_dir, f"{name}.log"), "w")
+            _started[name] = warm_up.WarmUp(cfg, run_dir, announce=False, output=log)
+
+
+def warm_up_result(name: str, tmp_dir: str) -> str:
+    """The model folder of warm-up `name` (started now if it was not), once it is done."""
+    start_warm_ups([name], tmp_dir)
+    return _started[name].result(timeout=1800)
+
+
+def stop_warm_ups() -> None:
+    for w in _started.values():
+        w.stop()
 
 
 def cli_env(root: str) -> dict:

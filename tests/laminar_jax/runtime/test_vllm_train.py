@@ -49,6 +49,15 @@ def _wait_for_vllm(step, fleet, m, timeout_s=300):
         time.sleep(0.5)
 
 
+def _first_pulls(ev):
+    """Each rollout's first pull (the one that built its engine): its engine's modules had been
+    imported while it waited for weights (`engines.warm_imports`, vLLM on CPU too)."""
+    first = ev[(ev.kind == "pull") & ev.imports_warm.notna()]
+    assert first.rollout.is_unique and (first.build_s > 0).all(), first
+    assert first.imports_warm.astype(bool).all(), first[["rollout", "engine", "imports_warm", "build_s"]]
+    return first
+
+
 def _gain(cfg, traj):
     rows = get_task("countdown", num_prompts=cfg.data.num_prompts, max_n=cfg.data.task_max_n,
                     seed=cfg.run.seed).rows()
@@ -70,6 +79,7 @@ def test_train_with_vllm_rollouts_learns_and_switches_versions_in_place(cluster,
     assert started.engine.tolist() == ["vllm"]
     pulls = ev[ev.kind == "pull"]
     assert len(pulls) >= cfg.run.steps and set(pulls.engine) == {"vllm"}
+    assert len(_first_pulls(ev)) == 1
     assert set(traj.engine) == {"vllm"} and set(traj.pool) == {"pool0"}
     # in place: the start-up folder holds config.json and the tokenizer, never a weight file
     assert seen and all(set(files) == STARTUP_FILES for files in seen), seen
@@ -99,6 +109,7 @@ def test_mixed_pools_in_laminar_mode_with_repack(cluster, countdown_model, tmp_p
     assert len(m) == cfg.run.steps
     assert set(traj.pool) == {"gpu_like", "cpu_jax"}, "both pools produce trajectories"
     assert dict(zip(traj.pool, traj.engine)) == {"gpu_like": "vllm", "cpu_jax": "jax"}
+    assert set(_first_pulls(ev).engine) == {"vllm", "jax"}
     assert not traj.mixed_versions.any() and (traj.oldest_version == traj.gen_version).all()
     # repack only between rollouts of one engine (here: the two JAX rollouts)
     engine_of = dict(zip(ev[ev.kind == "rollout_started"].rollout, ev[ev.kind == "rollout_started"].engine))
