@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Starts the supervised warm-ups the selected tests need (runtime_fixtures.WARM_UPS) in the
-    background: they train beside the in-process tests (about one core of two) instead of in
+    background, niced: they train on the cores the in-process tests leave idle instead of in
     front of the first runtime test (~50 s of the suite before)."""
     names = sorted({f for item in session.items for f in getattr(item, "fixturenames", ())
                     if f in ("warm_model", "countdown_model")})

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.laminar_jax.runtime.runtime_fixtures import base_config, start_cluster, warm_up_result
+from tests.laminar_jax.runtime.runtime_fixtures import SHARED_MODE, mode_config, start_cluster, warm_up_result
 
 
 # Package scope: the cluster goes down when the runtime tests are done, so later test modules
@@ -29,12 +29,12 @@ def countdown_model(tmp_path_factory):
 
 # Package scope, as the cluster it runs on.
 @pytest.fixture(scope="package")
-def three_step_run(cluster, warm_model, tmp_path_factory):
-    """One short real run, shared by the tests that only read a finished run folder (the suite's
-    time is scarce): 3 steps of the arithmetic run on the two-node cluster, checkpointed by time
-    only with a tiny interval (every step is due: run.checkpoint_every_s is read).
-    Returns (cfg, driver summary); test_analysis_notebook and test_multinode assert on it."""
+def shared_run(cluster, countdown_model, tmp_path_factory):
+    """test_modes_train's run of SHARED_MODE, shared by the tests that only read a finished run
+    folder (the suite's time is scarce), checkpointed by time only with a tiny interval (every
+    step is due: run.checkpoint_every_s is read). Returns (cfg, driver summary);
+    test_modes_train, test_analysis_notebook and test_multinode assert on it."""
     from laminar_jax.runtime import driver
-    cfg = base_config(str(tmp_path_factory.mktemp("three_steps")), "nb", warm_model, **{
-        "run.steps": 3, "run.checkpoint_every": 0, "run.checkpoint_every_s": 0.001})
+    cfg = mode_config(str(tmp_path_factory.mktemp("shared")), SHARED_MODE, countdown_model, **{
+        "run.checkpoint_every": 0, "run.checkpoint_every_s": 0.001})
     return cfg, driver.run(cfg, quiet=True)

@@ -56,6 +56,31 @@ def countdown_config(tmp_dir: str, name: str, model_dir: str, **sections) -> Con
                        + [f"{k}={v}" for k, v in overrides.items()])
 
 
+# zero-mismatch mode (rollout.zero_mismatch): every token of every trajectory must have the
+# learner's log-prob, at the token's own version, bit for bit. In bf16 in sync mode (every
+# token fresh); in fp32 in partial mode, where trajectories cross weight switches (the engine
+# re-prefills) and learner.mismatch_versions keeps the versions the stale tokens came from.
+BF16_EXACT = {"rollout.zero_mismatch": "true", "model.dtype": "bfloat16", "model.rollout_dtype": "bfloat16"}
+MODES = {   # test_modes_train.py's runs: manager.mode -> its overrides
+    "sync": {"learner.precompile": False, **BF16_EXACT},   # the one mode whose learner compiles in its steps
+    "one_step": {},
+    "stream": {"learner.mini_batches": 2, "manager.max_staleness": 1},
+    "partial": {"manager.max_staleness": 2, "rollout.zero_mismatch": "true", "learner.mismatch_versions": 2},
+    "laminar": {"rollout.num_rollouts": 3, "learner.global_batch_groups": 8},
+}
+
+
+
+# the mode whose run the package shares (conftest.shared_run): checkpointed at every step, it is
+# also the run test_analysis_notebook and test_multinode read
+SHARED_MODE = "one_step"
+
+
+def mode_config(tmp_dir: str, mode: str, model_dir: str, **sections) -> Config:
+    """test_modes_train.py's run of scheduling mode `mode` (countdown_config with MODES[mode])."""
+    return countdown_config(tmp_dir, mode, model_dir, **{"manager.mode": mode, **MODES[mode], **sections})
+
+
 def countdown_warm_up_config(tmp_dir: str) -> tuple[Config, str]:
     """Supervised warm-up on noisy countdown demonstrations (a number skipped with probability
     0.4 per step): a policy that counts but skips, which RL can sharpen within a few steps."""
@@ -81,14 +106,18 @@ _started: dict = {}
 
 def start_warm_ups(names, tmp_dir: str) -> None:
     """Starts the warm-ups of `names` now, in the background (tests/conftest.py does at the end
-    of collection): their processes train beside the in-process tests, which use about one of
-    the machine's cores, instead of before the first runtime test. Output goes to a log each."""
+    of collection), at nice 19: they train on what the in-process tests leave idle of the two
+    cores, instead of before the first runtime test, which waits for them (~50 s before). At
+    nice 0 they slowed the in-process tests more than that (test_distributed's two processes
+    +27 s, test_compose +18 s: one suite each way). Output goes to a log each."""
     from laminar_jax.runtime import warm_up
     for name in names:
         if name not in _started:
             cfg, run_dir = WARM_UPS[name](os.path.join(tmp_dir, name))
             log = open(os.path.join(tmp_dir, f"{name}.log"), "w")
-            _started[name] = warm_up.WarmUp(cfg, run_dir, announce=False, output=log)
+            w = _started[name] = warm_up.WarmUp(cfg, run_dir, announce=False, output=log)
+            if w.proc is not None:   # before it imports jax, whose threads inherit the niceness
+                os.setpriority(os.PRIO_PROCESS, w.proc.pid, 19)
 
 
 def warm_up_result(name: str, tmp_dir: str) -> str:

@@ -20,15 +20,16 @@ def test_notebook_is_stored_without_outputs():
 
 
 @pytest.mark.slow
-def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(three_step_run, tmp_path):
+def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(shared_run, tmp_path):
     import nbclient
     import nbformat
-    # the package's short run (conftest.three_step_run, shared with test_multinode): checkpointed
-    # by time only, a tiny interval, so every step is due (run.checkpoint_every_s is read)
-    real = three_step_run[1]["run_dir"]
+    # the package's shared run (conftest.shared_run, also test_modes_train's and test_multinode's):
+    # checkpointed by time only, a tiny interval, so every step is due (run.checkpoint_every_s is read)
+    cfg, summary = shared_run
+    real = summary["run_dir"]
     from laminar_jax.analysis import load_run
     events = load_run(real).events
-    assert sorted(events[events.kind == "checkpoint"].version) == [1, 2, 3]
+    assert sorted(events[events.kind == "checkpoint"].version) == list(range(1, cfg.run.steps + 1))
     assert cli.main(["simulate", str(REPO / "configs/sim/study_repack.yaml"), f"run.out_dir={tmp_path / 'sim'}",
                      "run.warmup_steps=1", "run.measure_steps=2"]) == 0
     env = {"LAMINAR_RUN": real, "LAMINAR_SIM_RUN": str(tmp_path / "sim" / "study_repack" / "repack_128"),
@@ -42,7 +43,7 @@ def test_notebook_executes_on_a_fresh_real_run_and_a_simulator_run(three_step_ru
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert "nb: 3 steps" in text and "exact answers:" in text
+    assert f"{cfg.run.name}: {cfg.run.steps} steps" in text and "exact answers:" in text
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == len(PANELS)
     assert all((tmp_path / "plots" / f"{p}.png").stat().st_size > 10_000 for p in PANELS)

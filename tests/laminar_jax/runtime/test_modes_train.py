@@ -12,22 +12,9 @@ import pytest
 from laminar_jax.analysis import load_run, reward_gain
 from laminar_jax.data.tasks import get_task
 from laminar_jax.runtime import driver
-from tests.laminar_jax.runtime.runtime_fixtures import countdown_config
+from tests.laminar_jax.runtime.runtime_fixtures import MODES, SHARED_MODE, mode_config
 
 MIN_GAIN = 0.05
-
-# zero-mismatch mode (rollout.zero_mismatch): every token of every trajectory must have the
-# learner's log-prob, at the token's own version, bit for bit. In bf16 in sync mode (every
-# token fresh); in fp32 in partial mode, where trajectories cross weight switches (the engine
-# re-prefills) and learner.mismatch_versions keeps the versions the stale tokens came from.
-BF16_EXACT = {"rollout.zero_mismatch": "true", "model.dtype": "bfloat16", "model.rollout_dtype": "bfloat16"}
-MODES = {
-    "sync": {"learner.precompile": False, **BF16_EXACT},   # the one mode whose learner compiles in its steps
-    "one_step": {},
-    "stream": {"learner.mini_batches": 2, "manager.max_staleness": 1},
-    "partial": {"manager.max_staleness": 2, "rollout.zero_mismatch": "true", "learner.mismatch_versions": 2},
-    "laminar": {"rollout.num_rollouts": 3, "learner.global_batch_groups": 8},
-}
 
 
 def check_staleness(mode: str, traj, eta: int | None):
@@ -49,9 +36,12 @@ def check_staleness(mode: str, traj, eta: int | None):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_mode_learns_and_keeps_its_staleness_rule(mode, cluster, countdown_model, tmp_path):
-    cfg = countdown_config(str(tmp_path), mode, countdown_model, **{"manager.mode": mode, **MODES[mode]})
-    summary = driver.run(cfg, quiet=True)
+def test_mode_learns_and_keeps_its_staleness_rule(mode, cluster, countdown_model, tmp_path, request):
+    if mode == SHARED_MODE:   # the package's shared run (conftest.shared_run), made for this test
+        cfg, summary = request.getfixturevalue("shared_run")
+    else:
+        cfg = mode_config(str(tmp_path), mode, countdown_model)
+        summary = driver.run(cfg, quiet=True)
     run = load_run(summary["run_dir"])
     m, traj = run.metrics, run.trajectories
     assert len(m) == cfg.run.steps

@@ -3,13 +3,12 @@ spread over both, each pulling from its own node's relay."""
 from laminar_jax.analysis import load_run
 
 
-def test_relay_per_node_and_local_pulls(three_step_run):
-    """On the package's short run (conftest.three_step_run, shared with the notebook test)."""
+def test_relay_per_node_and_local_pulls(shared_run):
+    """On the package's shared run (conftest.shared_run: test_modes_train's and the notebook's)."""
     import ray
     nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert len(nodes) == 2
-    cfg, summary = three_step_run
-    assert cfg.run.steps == 3
+    cfg, summary = shared_run
     run = load_run(summary["run_dir"])
     ev = run.events
     assert set(ev[ev.kind == "relay_started"].relay) == nodes
