@@ -1,7 +1,6 @@
 import pytest
 
-from tests.laminar_jax.runtime.runtime_fixtures import (SHARED_MODE, mode_config, start_cluster, warm_up_result,
-                                                     warm_up_root)
+from tests.laminar_jax.runtime.runtime_fixtures import SHARED_MODE, mode_config, start_cluster, warm_up_result
 
 
 # Package scope: the cluster goes down when the runtime tests are done, so later test modules
@@ -16,16 +15,16 @@ def cluster():
         c.shutdown()
 
 
-# Both warm-ups start in the background at the end of collection (tests/conftest.py), once for
-# all pytest-xdist workers: these wait for them.
+# Both warm-ups start in the background at the end of collection (tests/conftest.py): these
+# wait for them.
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory):
-    return warm_up_result("warm_model", warm_up_root(tmp_path_factory))
+    return warm_up_result("warm_model", str(tmp_path_factory.getbasetemp()))
 
 
 @pytest.fixture(scope="session")
 def countdown_model(tmp_path_factory):
-    return warm_up_result("countdown_model", warm_up_root(tmp_path_factory))
+    return warm_up_result("countdown_model", str(tmp_path_factory.getbasetemp()))
 
 
 # Package scope, as the cluster it runs on.

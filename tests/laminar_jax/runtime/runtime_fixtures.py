@@ -101,75 +101,34 @@ def warm_up_config(tmp_dir: str) -> tuple[Config, str]:
 # it (runtime.warm_up): with the XLA flags of a run, not this process's -O0 (tests/conftest.py),
 # under which it ran 2.7x slower.
 WARM_UPS = {"warm_model": warm_up_config, "countdown_model": countdown_warm_up_config}
-_started: dict = {}   # the warm-ups this process started: name -> WarmUp
-WAIT_S = 1800.0
+_started: dict = {}
 
 
-def warm_up_root(tmp_path_factory) -> str:
-    """The folder the warm-ups share: the session's base temp folder, or under pytest-xdist the
-    controller's, above each worker's own (`popen-gw<N>`), so the workers share one warm-up."""
-    base = tmp_path_factory.getbasetemp()
-    return str(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
-
-
-def start_warm_ups(names, root: str) -> None:
+def start_warm_ups(names, tmp_dir: str) -> None:
     """Starts the warm-ups of `names` now, in the background (tests/conftest.py does at the end
-    of collection), once per test session: under pytest-xdist every worker collects, and the
-    first to take the lock in `root` starts them (`<name>.pid` says one is under way). They
-    train while the first end-to-end tests (which need none) run, at the workers' priority: at
-    nice 19, as before xdist, the two workers left them so little that the notebook's shared run
-    waited ~150 s for them. Output goes to a log each; `<name>.done` gets the exit code."""
-    import fcntl
-    import threading
-
+    of collection), at nice 19: they train on what the in-process tests leave idle of the two
+    cores, instead of before the first runtime test, which waits for them (~50 s before). At
+    nice 0 they slowed the in-process tests more than that (test_distributed's two processes
+    +27 s, test_compose +18 s: one suite each way). Output goes to a log each."""
     from laminar_jax.runtime import warm_up
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, "warm_ups.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for name in names:
-            if name in _started or os.path.exists(os.path.join(root, f"{name}.pid")):
-                continue
-            cfg, run_dir = WARM_UPS[name](os.path.join(root, name))
-            log = open(os.path.join(root, f"{name}.log"), "w")
+    for name in names:
+        if name not in _started:
+            cfg, run_dir = WARM_UPS[name](os.path.join(tmp_dir, name))
+            log = open(os.path.join(tmp_dir, f"{name}.log"), "w")
             w = _started[name] = warm_up.WarmUp(cfg, run_dir, announce=False, output=log)
-            with open(os.path.join(root, f"{name}.pid"), "w") as f:
-                f.write(str(w.proc.pid if w.proc is not None else os.getpid()))
-
-            def mark_done(w=w, name=name):
-                code = 0 if w.proc is None else w.proc.wait()
-                with open(os.path.join(root, f"{name}.done.tmp"), "w") as f:
-                    f.write(str(code))
-                os.replace(os.path.join(root, f"{name}.done.tmp"), os.path.join(root, f"{name}.done"))
-            threading.Thread(target=mark_done, daemon=True).start()
+            if w.proc is not None:   # before it imports jax, whose threads inherit the niceness
+                os.setpriority(os.PRIO_PROCESS, w.proc.pid, 19)
 
 
-def warm_up_result(name: str, root: str) -> str:
-    """The model folder of warm-up `name` (started now if no process of the session has), once
-    it is done; RuntimeError naming its log if it failed, TimeoutError past WAIT_S."""
-    start_warm_ups([name], root)
-    if name in _started:
-        return _started[name].result(timeout=WAIT_S)
-    import time
-    done, deadline = os.path.join(root, f"{name}.done"), time.monotonic() + WAIT_S
-    while not os.path.exists(done):   # another worker's warm-up
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"warm-up {name} (another pytest-xdist worker's) not done in {WAIT_S:.0f} s")
-        time.sleep(0.5)
-    from laminar_jax.runtime import warm_up
-    model = warm_up.model_dir(WARM_UPS[name](os.path.join(root, name))[1])
-    if open(done).read().strip() != "0" or not os.path.exists(os.path.join(model, "config.json")):
-        raise RuntimeError(f"warm-up {name} failed; its output is in {os.path.join(root, name + '.log')}")
-    return model
+def warm_up_result(name: str, tmp_dir: str) -> str:
+    """The model folder of warm-up `name` (started now if it was not), once it is done."""
+    start_warm_ups([name], tmp_dir)
+    return _started[name].result(timeout=1800)
 
 
-def finish_warm_ups(interrupted: bool) -> None:
-    """At the session's end: stops this process's warm-ups if the session was interrupted, else
-    lets them finish (another pytest-xdist worker may be waiting for one)."""
+def stop_warm_ups() -> None:
     for w in _started.values():
-        if interrupted:
-            w.stop()
-        elif w.proc is not None:
-            w.proc.wait(WAIT_S)
+        w.stop()
 
 
 def cli_env(root: str) -> dict:
