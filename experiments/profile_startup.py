@@ -58,6 +58,17 @@ def sample(root: int, stop: threading.Event, out: list) -> None:
         stop.wait(0.2)
 
 
+def _per_second(samples: list, pid: str, t0: float, n_s: int) -> list[float]:
+    """CPU seconds of process `pid` in each second from launch (from its samples' differences)."""
+    out, prev = [0.0] * n_s, 0.0
+    for t, procs in samples:
+        if pid in procs:
+            cpu = procs[pid][1]
+            out[min(n_s - 1, int(t - t0))] += cpu - prev
+            prev = cpu
+    return [round(c, 2) for c in out]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-path", required=True, help="model folder (an SFT checkpoint: no warm-up in the run)")
@@ -86,9 +97,13 @@ def main() -> None:
     first = float(metrics.sort_values("step")["time/unix_s"].iloc[0])
     upto = [s for s in samples if s[0] <= first]
     last: dict[str, tuple[str, float]] = {}
-    for _, procs in upto:
+    seen: dict[str, float] = {}   # pid -> when the sampler first saw it (s from launch)
+    for t, procs in upto:
         last.update(procs)
-    per = sorted(((name, cpu) for name, cpu in last.values() if cpu > 0.01), key=lambda r: -r[1])
+        for pid in procs:
+            seen.setdefault(pid, t - t0)
+    n_s = int(first - t0) + 1
+    per = sorted(((pid, name, cpu) for pid, (name, cpu) in last.items() if cpu > 0.01), key=lambda r: -r[2])
     cores = os.cpu_count() or 1
     seconds = []
     for k in range(int(first - t0) + 1):
@@ -97,16 +112,20 @@ def main() -> None:
             (ta, pa), (tb, pb) = window[0], window[-1]
             used = sum(cpu - pa.get(pid, (None, 0.0))[1] for pid, (_, cpu) in pb.items())
             seconds.append(round(used / (tb - ta) / cores, 3))
-    total = sum(c for _, c in per)
+    total = sum(c for _, _, c in per)
     print(f"launch to the first step's end: {first - t0:.1f} s; {total:.1f} CPU s in the run's processes "
           f"({total / (first - t0) / cores:.0%} of {cores} cores)")
-    for name, cpu in per:
-        print(f"  {cpu:6.2f} CPU s  {name}")
+    print("  CPU s  from s  name                        CPU s in each second from launch")
+    timeline = {}
+    for pid, name, cpu in per:
+        timeline[pid] = _per_second(upto, pid, t0, n_s)
+        print(f"  {cpu:5.2f}  {seen[pid]:6.1f}  {name[:26]:26}  " + " ".join(f"{c:.1f}" for c in timeline[pid]))
     print("utilisation per second: " + " ".join(f"{u:.0%}" for u in seconds))
     print("\n".join(line for line in output.splitlines() if line.startswith("start-up")))
     with open(a.out, "w") as f:
         json.dump(dict(launch_to_first_step_s=first - t0, cpu_s_total=total, cores=cores,
-                       per_process=[dict(name=n, cpu_s=c) for n, c in per], utilisation_per_s=seconds,
+                       per_process=[dict(name=n, cpu_s=c, first_seen_s=round(seen[pid], 2), cpu_s_per_s=timeline[pid])
+                                    for pid, n, c in per], utilisation_per_s=seconds,
                        overrides=a.overrides, load_after=os.getloadavg()[0]), f, indent=1)
     print(f"wrote {a.out}")
 

@@ -1,7 +1,7 @@
 """runtime.cluster.start: Ray's fixed node start-up wait, when it expires, is a ClusterError that
 says why and what to do; any other ray.init failure passes through unchanged. The embedded
 cluster's workers inherit the run's environment, so actors that need no other start without a
-runtime env."""
+runtime env. Its head is lean: no API server, no autoscaler monitor, the log monitor kept."""
 from __future__ import annotations
 
 import pytest
@@ -63,6 +63,25 @@ def test_the_embedded_clusters_workers_inherit_the_run_env_and_actors_that_need_
         got = ray.get([Env.options(**opts).remote().get.remote() for opts in (plain, wide)], timeout=120)
         assert got[0] == {"XLA_FLAGS": cluster.xla_flags(1), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": cache}
         assert got[1] == dict(got[0], XLA_FLAGS=cluster.xla_flags(2))
+        # the lean head: Ray's API server and autoscaler monitor never started; the log monitor
+        # (workers' output to the console) did
+        import psutil
+        scripts = {os.path.basename(arg) for p in psutil.Process().children(recursive=True)
+                   for arg in p.cmdline() if arg.endswith(".py")}
+        assert "log_monitor.py" in scripts and not scripts & {"dashboard.py", "monitor.py"}, scripts
     finally:
         ray.shutdown()
     assert cluster.runtime_env({"XLA_FLAGS": cluster.xla_flags(1)}) == {"env_vars": {"XLA_FLAGS": cluster.xla_flags(1)}}
+
+
+def test_lean_head_stubs_its_skips_only_while_open_and_not_at_all_on_a_ray_without_them(monkeypatch):
+    from ray._private.node import Node
+    originals = {name: getattr(Node, name) for name in cluster.LEAN_HEAD_SKIPS}
+    with cluster.lean_head() as stubbed:
+        assert stubbed == list(cluster.LEAN_HEAD_SKIPS)
+        assert all(getattr(Node, name) is not originals[name] for name in stubbed)
+        assert Node.start_api_server(object(), include_dashboard=False, raise_on_failure=True) is None
+    assert {name: getattr(Node, name) for name in cluster.LEAN_HEAD_SKIPS} == originals
+    monkeypatch.delattr(Node, "start_monitor")     # a Ray version without one of them: its full head
+    with cluster.lean_head() as stubbed:
+        assert stubbed == [] and Node.start_api_server is originals["start_api_server"]
