@@ -9,7 +9,12 @@ its main thread (so Math-Verify's SIGALRM timeouts work), under
     RLIMIT_CPU = CPU used so far + cpu_s  (per call; beyond it the kernel kills the child: "crashed")
 
 (this module runs as `__main__` there, so answers are plain tuples) and the parent waits at most `timeout_s` for the answer, then kills the child ("timeout") and
-starts a fresh one for the next call. Frames on the child's stdin / a private copy of its stdout
+starts a fresh one for the next call. A child's own start (Python, the reward's imports) is not
+part of `timeout_s`: it says it is ready with a first frame, and a child not ready within
+START_TIMEOUT_S is a "timeout" too (on a loaded machine a start took seconds, and a 2 s reward
+timeout read it as the reward's). Children start at their first call: started while the rollout
+waited for its first weights, they took CPU from the learner's init and start-up did not gain
+(bench_startup, stop 38: warm 10.0 -> 10.3 s, cold 15.6 -> 16.9 s, interleaved). Frames on the child's stdin / a private copy of its stdout
 are 4-byte lengths + pickle, between this process and its own child only (nothing from a socket
 or a file); the child's fd 1 is pointed at stderr so a reward's prints cannot corrupt a frame.
 """
@@ -29,6 +34,8 @@ import time
 from dataclasses import dataclass
 
 _LEN = struct.Struct(">I")
+START_TIMEOUT_S = 120.0   # a child's start, up to its ready frame (not part of reward.timeout_s)
+READY = "ready"
 
 
 @dataclass(frozen=True)
@@ -80,9 +87,16 @@ class _Child:
         self.proc = subprocess.Popen([sys.executable, "-m", "laminar_jax.rewards.pool"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
         _write(self.proc.stdin, {"reward": reward, "memory_mb": memory_mb, "cpu_s": cpu_s})
+        self.ready = False
 
     def call(self, args: tuple, timeout_s: float) -> Outcome:
         try:
+            if not self.ready:   # its start is not the reward's time (module docstring)
+                try:
+                    _read(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
+                except TimeoutError:
+                    raise TimeoutError(f"the reward process did not start within {START_TIMEOUT_S:g} s") from None
+                self.ready = True
             _write(self.proc.stdin, args)
             return Outcome(*_read(self.proc.stdout.fileno(), time.monotonic() + timeout_s))
         except (BrokenPipeError, _Dead):
@@ -134,10 +148,10 @@ class RewardPool:
                 with self._lock:
                     self._children.add(child)
             return child.call(args, self.timeout_s)
-        except TimeoutError:
+        except TimeoutError as e:
             self._drop(child)
             child = None
-            return Outcome(None, "timeout", f"no result within reward.timeout_s={self.timeout_s:g} s; "
+            return Outcome(None, "timeout", f"{str(e) or f'no result within reward.timeout_s={self.timeout_s:g} s'}; "
                                             "the reward process was killed")
         except _Dead as e:
             self._drop(child)
@@ -179,6 +193,7 @@ def _child_main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (mem if hard == resource.RLIM_INFINITY else min(mem, hard), hard))
     reward = setup["reward"]
     from laminar_jax.rewards.registry import check_value
+    _write(out, READY)
     while True:
         try:
             prompt, completion, row = _read(stdin)

@@ -56,6 +56,25 @@ def test_timeout_s_bounds_a_call(timeout_s, kind):
     assert kinds(score(scorer(timeout_s=timeout_s), ["sleep 1.5"])) == [kind]
 
 
+def test_a_reward_processs_start_is_not_the_rewards_time():
+    """The module takes 1.5 s to import in each reward process, longer than timeout_s: the
+    process's start (up to its ready frame) is not counted, the call is."""
+    from tests.laminar_jax.rewards import slow_start_rewards
+    s = scorer(fn="tests.laminar_jax.rewards.slow_start_rewards:quick", timeout_s=0.5, workers=1)
+    assert slow_start_rewards.IMPORT_S > 0.5
+    results = score(s, ["1", "1"])
+    assert kinds(results) == [None, None] and [r.value for r in results] == [1.0, 1.0]
+
+
+def test_a_reward_process_that_does_not_start_in_time_is_a_timeout_that_says_so(monkeypatch):
+    from laminar_jax.rewards import pool
+    monkeypatch.setattr(pool, "START_TIMEOUT_S", 0.3)
+    s = scorer(fn="tests.laminar_jax.rewards.slow_start_rewards:quick", timeout_s=10.0, workers=1)
+    results = score(s, ["1"])
+    assert kinds(results) == ["timeout"]
+    assert "did not start within 0.3 s" in results[0].error.error, results[0].error
+
+
 @pytest.mark.parametrize("cpu_s, kind", [(1.0, "crashed"), (None, "timeout")])
 def test_cpu_s_kills_a_spinning_reward(cpu_s, kind):
     # cpu_s=1 kills the spin long before the 20 s wall timeout; with cpu_s as large as that
