@@ -502,7 +502,11 @@ class RewardConfig:
 
     Rewards run in `workers` processes per rollout, off the decode loop: a call gets timeout_s
     of wall time, cpu_s of CPU and memory_mb of address space, else it is a "timeout" /
-    "crashed" / "raised" failure (scored 0, counted, its first traceback printed). The run stops
+    "crashed" / "raised" failure (scored 0, counted, its first traceback printed). workers null
+    (the default): 0 for the built-ins that are linear string rules (exact_match, format, task:
+    `rewards.registry.IN_PROCESS_BUILTINS`), 2 for the rest (math, code_exec, a user function).
+    0: scored on the rollout's own thread, no process and no limits (a raise is still counted;
+    the rest of the failures cannot be caught there, so user code belongs in processes). The run stops
     when more than max_error_rate of the rollouts' last error_window completions failed.
     code_timeout_s / code_memory_mb: the sandbox of code_exec (per test case run).
     """
@@ -510,7 +514,7 @@ class RewardConfig:
     fn: str = "task"
     format_tags: tuple[str, ...] = ("think",)
     math_backend: Literal["auto", "math_verify", "sympy"] = "auto"
-    workers: int = 2
+    workers: int | None = None
     timeout_s: float = 10.0
     cpu_s: float = 10.0
     memory_mb: int = 4096
@@ -525,7 +529,8 @@ class RewardConfig:
         _require(len(self.format_tags) > 0 and all(re.match(r"^[A-Za-z_][\w\-]*$", t)
                                                    for t in self.format_tags),
                  "format_tags", self.format_tags, "a non-empty list of tag names like think")
-        _at_least(self, 1, "workers", "error_window")
+        _require(self.workers is None or self.workers >= 0, "workers", self.workers, "null or an int >= 0")
+        _at_least(self, 1, "error_window")
         _at_least(self, 64, "memory_mb")
         _at_least(self, 16, "code_memory_mb")
         _positive(self, "timeout_s", "cpu_s", "code_timeout_s")

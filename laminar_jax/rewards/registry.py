@@ -154,12 +154,30 @@ class Reward:
         return f"Reward({self.name!r})"
 
 
+# built-in rewards that are linear string rules over our own code: with `reward.workers` null
+# they are scored on the rollout's thread. A process per call cost each rollout two process
+# starts inside the first step and a pickle round trip per completion, to guard code that
+# cannot hang or blow up.
+IN_PROCESS_BUILTINS = frozenset({"exact_match", "format", "task"})
+DEFAULT_WORKERS = 2
+
+
+def pool_workers(fn: str, workers: int | None) -> int:
+    """Reward processes per rollout for `reward.fn` = fn: `workers`, or when null 0 for
+    IN_PROCESS_BUILTINS and DEFAULT_WORKERS for the rest."""
+    if workers is not None:
+        return int(workers)
+    return 0 if fn in IN_PROCESS_BUILTINS else DEFAULT_WORKERS
+
+
 def resolve_reward(spec, *, answer_field: str = "answer") -> Reward:
     """A `Reward` from a `RewardConfig` or a spec string; `RewardSpecError` when unusable."""
     if isinstance(spec, str):
         return Reward(spec, answer_field=answer_field)
     pool = {k: getattr(spec, k) for k in ("workers", "timeout_s", "cpu_s", "memory_mb", "error_window")
             if hasattr(spec, k)}
+    if "workers" in pool:
+        pool["workers"] = pool_workers(spec.fn, pool["workers"])
     sandbox = {k.removeprefix("code_"): getattr(spec, k) for k in ("code_timeout_s", "code_memory_mb")
                if hasattr(spec, k)}
     return Reward(spec.fn, answer_field=answer_field, format_tags=getattr(spec, "format_tags", ("think",)),
@@ -241,7 +259,7 @@ class RewardScorer:
 
     # ------------------------------------------------------------------ scoring
     def _futures(self, group, completions: Sequence[str]) -> list:
-        if not isinstance(self.reward, Reward) or int(self.pool_options.get("workers", 2)) < 1:
+        if not isinstance(self.reward, Reward) or int(self.pool_options.get("workers", DEFAULT_WORKERS)) < 1:
             out = []
             for c in completions:  # in-process (plain callables: tests, or workers=0)
                 f = concurrent.futures.Future()
@@ -252,8 +270,9 @@ class RewardScorer:
         if self._pool is None:
             from laminar_jax.rewards.pool import RewardPool
             o = self.pool_options
-            self._pool = RewardPool(self.reward, workers=int(o.get("workers", 2)), timeout_s=o.get("timeout_s", 10.0),
-                                    cpu_s=o.get("cpu_s", 10.0), memory_mb=int(o.get("memory_mb", 4096)))
+            self._pool = RewardPool(self.reward, workers=int(o.get("workers", DEFAULT_WORKERS)),
+                                    timeout_s=o.get("timeout_s", 10.0), cpu_s=o.get("cpu_s", 10.0),
+                                    memory_mb=int(o.get("memory_mb", 4096)))
         return [self._pool.submit(group.prompt, c, group.row) for c in completions]
 
     def _record(self, group, index: int, got) -> RewardResult:

@@ -3,6 +3,7 @@
 timeout on in the pool, and the driver's watch (console lines, stop past max_error_rate)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -92,6 +93,31 @@ def test_memory_mb_refuses_a_large_allocation(memory_mb, kind):
     assert kinds([result]) == [kind]
     if kind:
         assert result.error.error.startswith("MemoryError")
+
+
+@pytest.mark.parametrize("fn, workers, processes", [("task", None, 0), ("exact_match", None, 0), ("format", None, 0),
+                                                    ("math", None, 2), ("code_exec", None, 2), (GRADED, None, 2),
+                                                    ("task", 1, 1), (GRADED, 0, 0)])
+def test_workers_null_scores_the_linear_builtins_in_process_and_the_rest_in_two_processes(fn, workers, processes):
+    from laminar_jax.rewards.registry import pool_workers
+    assert pool_workers(fn, workers) == processes
+    row = {"task": "arithmetic", "answer": "1"}
+    s = scorer(fn=fn, workers=workers)
+    try:
+        pending = s.submit_group(dataclasses.replace(group(2), row=row), ["1", "2"])
+        if fn == "task":
+            assert [r.value for r in pending.results()] == [1.0, 0.0]
+        assert (s._pool is None) == (processes == 0)
+        if processes:
+            assert s._pool._threads._max_workers == processes
+    finally:
+        s.close()
+
+
+def test_reward_workers_is_null_or_at_least_zero():
+    assert RewardConfig().workers is None and RewardConfig(workers=0).workers == 0
+    with pytest.raises(ValueError, match="workers: expected null or an int >= 0, got -1"):
+        RewardConfig(workers=-1)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
