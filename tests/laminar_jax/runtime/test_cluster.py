@@ -49,6 +49,8 @@ def test_the_embedded_clusters_workers_inherit_the_run_env_and_actors_that_need_
     keys = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
     before = {k: os.environ.get(k) for k in keys}
     cache = str(tmp_path / "cache")
+    import psutil
+    earlier = {p.pid for p in psutil.Process().children(recursive=True)}   # e.g. the package's test cluster
     try:
         assert cluster.start(load_config("configs/default.yaml", [f"run.compile_cache={cache}"]))
         assert {k: os.environ.get(k) for k in keys} == before, "the driver's own environment is put back"
@@ -65,8 +67,7 @@ def test_the_embedded_clusters_workers_inherit_the_run_env_and_actors_that_need_
         assert got[1] == dict(got[0], XLA_FLAGS=cluster.xla_flags(2))
         # the lean head: Ray's API server and autoscaler monitor never started; the log monitor
         # (workers' output to the console) did
-        import psutil
-        scripts = {os.path.basename(arg) for p in psutil.Process().children(recursive=True)
+        scripts = {os.path.basename(arg) for p in psutil.Process().children(recursive=True) if p.pid not in earlier
                    for arg in p.cmdline() if arg.endswith(".py")}
         assert "log_monitor.py" in scripts and not scripts & {"dashboard.py", "monitor.py"}, scripts
     finally:

