@@ -14,9 +14,9 @@ part of `timeout_s`: it says it is ready with a first frame, and a child not rea
 START_TIMEOUT_S is a "timeout" too (on a loaded machine a start took seconds, and a 2 s reward
 timeout read it as the reward's). Children start at their first call: started while the rollout
 waited for its first weights, they took CPU from the learner's init and start-up did not gain
-(bench_startup, stop 38: warm 10.0 -> 10.3 s, cold 15.6 -> 16.9 s, interleaved). Frames on the child's stdin / a private copy of its stdout
-are 4-byte lengths + pickle, between this process and its own child only (nothing from a socket
-or a file); the child's fd 1 is pointed at stderr so a reward's prints cannot corrupt a frame.
+(bench_startup, stop 38: warm 10.0 -> 10.3 s, cold 15.6 -> 16.9 s, interleaved). Frames on the
+child's stdin / a private copy of its stdout are 4-byte lengths + pickle, between this process and
+its own child only (nothing from a socket or a file); the child's fd 1 is pointed at stderr so a reward's prints cannot corrupt a frame.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class _Child:
         try:
             if not self.ready:   # its start is not the reward's time (module docstring)
                 try:
-                    _read(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
+                    _read(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)   # READY
                 except TimeoutError:
                     raise TimeoutError(f"the reward process did not start within {START_TIMEOUT_S:g} s") from None
                 self.ready = True

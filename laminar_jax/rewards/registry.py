@@ -176,8 +176,6 @@ def resolve_reward(spec, *, answer_field: str = "answer") -> Reward:
         return Reward(spec, answer_field=answer_field)
     pool = {k: getattr(spec, k) for k in ("workers", "timeout_s", "cpu_s", "memory_mb", "error_window")
             if hasattr(spec, k)}
-    if "workers" in pool:
-        pool["workers"] = pool_workers(spec.fn, pool["workers"])
     sandbox = {k.removeprefix("code_"): getattr(spec, k) for k in ("code_timeout_s", "code_memory_mb")
                if hasattr(spec, k)}
     return Reward(spec.fn, answer_field=answer_field, format_tags=getattr(spec, "format_tags", ("think",)),
@@ -242,6 +240,8 @@ class RewardScorer:
         self.name = name or getattr(reward, "name", getattr(reward, "__name__", repr(reward)))
         options = getattr(reward, "options", {}) if isinstance(reward, Reward) else {}
         self.pool_options = dict(options.get("pool", {}))
+        # reward processes: none for a plain callable (tests), else per `pool_workers`
+        self.workers = pool_workers(reward.name, self.pool_options.get("workers")) if isinstance(reward, Reward) else 0
         self._setup()
 
     def _setup(self) -> None:
@@ -251,7 +251,7 @@ class RewardScorer:
         self._lock, self._pool = threading.Lock(), None
 
     def __getstate__(self) -> dict:
-        return {"reward": self.reward, "name": self.name, "pool_options": self.pool_options}
+        return {"reward": self.reward, "name": self.name, "pool_options": self.pool_options, "workers": self.workers}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -259,7 +259,7 @@ class RewardScorer:
 
     # ------------------------------------------------------------------ scoring
     def _futures(self, group, completions: Sequence[str]) -> list:
-        if not isinstance(self.reward, Reward) or int(self.pool_options.get("workers", DEFAULT_WORKERS)) < 1:
+        if self.workers < 1:
             out = []
             for c in completions:  # in-process (plain callables: tests, or workers=0)
                 f = concurrent.futures.Future()
@@ -270,7 +270,7 @@ class RewardScorer:
         if self._pool is None:
             from laminar_jax.rewards.pool import RewardPool
             o = self.pool_options
-            self._pool = RewardPool(self.reward, workers=int(o.get("workers", DEFAULT_WORKERS)),
+            self._pool = RewardPool(self.reward, workers=self.workers,
                                     timeout_s=o.get("timeout_s", 10.0), cpu_s=o.get("cpu_s", 10.0),
                                     memory_mb=int(o.get("memory_mb", 4096)))
         return [self._pool.submit(group.prompt, c, group.row) for c in completions]

@@ -103,6 +103,9 @@ def test_workers_null_scores_the_linear_builtins_in_process_and_the_rest_in_two_
     assert pool_workers(fn, workers) == processes
     row = {"task": "arithmetic", "answer": "1"}
     s = scorer(fn=fn, workers=workers)
+    assert s.workers == processes
+    if workers is None:   # a reward named by its spec alone follows the same rule
+        assert RewardScorer(resolve_reward(fn)).workers == processes
     try:
         pending = s.submit_group(dataclasses.replace(group(2), row=row), ["1", "2"])
         if fn == "task":
