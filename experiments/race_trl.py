@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = ("trl", "laminar", "sync")
+# "<mode>-colocated": that mode with run.colocate (learner and one rollout in one process, no Ray)
+SYSTEMS = ("trl", "laminar", "sync", "laminar-colocated", "sync-colocated")
 LOAD_EVERY_S = 5.0
 RAY_START_TIMEOUT = "timed out during startup"   # Ray's message when its raylet/GCS start too slowly
 
@@ -140,8 +141,8 @@ def run_trl(py: str, seed: int, init: str, a, work: str) -> dict:
                  a, a.prompts * a.group)
 
 
-def run_laminar(mode: str, seed: int, init: str, a, work: str) -> dict:
-    name = f"{mode}-s{seed}"
+def run_laminar(system: str, seed: int, init: str, a, work: str) -> dict:
+    name, (mode, _, placement) = f"{system}-s{seed}", system.partition("-")
     over = [f"model.hf_path={init}", f"run.steps={a.steps}", f"run.seed={seed}", f"run.out_dir={work}",
             f"run.name={name}", "run.log_every=5", f"manager.mode={mode}", f"data.task={a.task}",
             f"data.group_size={a.group}", f"learner.global_batch_groups={a.prompts}",
@@ -150,6 +151,8 @@ def run_laminar(mode: str, seed: int, init: str, a, work: str) -> dict:
             "optimizer.weight_decay=0.0", "optimizer.warmup_steps=0",
             f"loss.surrogate.eps_low={a.eps}", f"loss.surrogate.eps_high={a.eps}",
             "loss.aggregation.mode=token-mean", "loss.kl.coef=0.0", *a.set]
+    if placement == "colocated":
+        over += ["run.colocate=true", "rollout.num_rollouts=1"]
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.time()

@@ -54,6 +54,11 @@ class RunConfig:
     unless WANDB_MODE says otherwise, under wandb/).
     compile_cache: folder of the persistent JAX compilation cache shared by every run and
       process ("~" expanded; None turns it off); a warm cache skips the compiles at start-up.
+    colocate: run the learner and the one rollout in the driver's process (`runtime.colocated`):
+      no Ray, no relay, weights handed over in memory. For small single-node runs, where Ray's
+      start and the publish-to-pull chain cost more than they save; no rollout manager (no
+      failover, heartbeats or repack). Needs one JAX rollout, one learner host on one device
+      and no ray_address.
     """
 
     name: str = "default"
@@ -67,6 +72,7 @@ class RunConfig:
     resume: Literal["auto", "never", "force"] = "auto"
     trackers: tuple[str, ...] = ("tensorboard",)
     compile_cache: str | None = "~/.cache/laminar/jax"
+    colocate: bool = False
 
     def __post_init__(self):
         _non_empty(self, "name", "out_dir", "ray_address", "compile_cache")
@@ -621,6 +627,26 @@ class Config:
                  f"fewer than learner.max_seq_len ({self.learner.max_seq_len}): the prompt needs room too")
         if self.rollout.zero_mismatch:
             self._check_zero_mismatch()
+        if self.run.colocate:
+            self._check_colocate()
+
+    def _check_colocate(self):
+        """run.colocate: one process holds the learner and one JAX rollout, without Ray."""
+        pools = [(p.name, p.engine, p.num_rollouts) for p in self.rollout.pools_resolved()]
+        one = self.rollout.assignments()
+        _require(len(one) == 1 and one[0][1].engine == "jax", "run.colocate", True,
+                 f"exactly one rollout with engine jax (got pools {pools}); set rollout.num_rollouts=1 and "
+                 f"rollout.engine=jax, or run.colocate=false")
+        _require(self.run.ray_address is None, "run.colocate", True,
+                 f"no run.ray_address (got {self.run.ray_address!r}): a colocated run uses no Ray cluster")
+        m = self.mesh
+        devices = max(1, m.data) * m.fsdp * m.tensor
+        _require(self.learner.hosts == 1 and devices == 1, "run.colocate", True,
+                 f"a learner of one host on one device (got learner.hosts={self.learner.hosts}, a mesh of "
+                 f"{devices} devices): the rollout shares its process")
+        _require(self.learner.memory_fraction is None, "run.colocate", True,
+                 f"learner.memory_fraction null (got {self.learner.memory_fraction}): learner and rollout share "
+                 f"one JAX client, whose memory settings are the process's")
 
     def _check_zero_mismatch(self):
         """rollout.zero_mismatch needs both sides to run the same batch-invariant JAX code."""

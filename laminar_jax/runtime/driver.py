@@ -32,35 +32,14 @@ import ray
 
 from laminar_jax.data.tasks import TASKS
 from laminar_jax.metrics import RunWriter
-from laminar_jax.manager import modes
-from laminar_jax.rewards.health import RewardWatch
-from laminar_jax.runtime import breakdown, cluster, engines, progress, run_folder, warm_up
+from laminar_jax.runtime import cluster, engines, progress, run_folder, warm_up
 from laminar_jax.runtime.fleet import Fleet
 from laminar_jax.runtime.events import EventLimiter
 from laminar_jax.runtime.liveness import LivenessError, Watchdog
+from laminar_jax.runtime.step_log import StepLog, log_events, resume_rows, staleness_warning  # noqa: F401
 
 POLL_S = 1.0            # liveness check period while a step runs
 SAVE_TIMEOUT_S = 300.0  # the final checkpoint's start (device-to-host copy, a write in progress)
-
-
-def _log_events(log: Callable[..., None], events: list[dict]) -> None:
-    for e in events:
-        e = dict(e)
-        kind = e.pop("kind")
-        e.pop("time", None)
-        log(kind, **e)
-
-
-def staleness_warning(cfg: Any, step: int, metrics: dict) -> dict | None:
-    """The warning's fields when a consumed trajectory is staler than the mode's bound (laminar,
-    unbounded by design: manager.max_staleness), else None."""
-    bound = modes.staleness_bound(cfg.manager.mode, max_staleness=cfg.manager.max_staleness)
-    bound = cfg.manager.max_staleness if bound is None else bound
-    worst = metrics.get("staleness_max")
-    if worst is None or worst <= bound:
-        return None
-    return dict(step=step, staleness_max=worst, staleness_mean=metrics.get("staleness_mean"), bound=bound,
-                mode=cfg.manager.mode)
 
 
 def _wait_step(pending: Any, watchdog: Watchdog, step: int) -> dict:
@@ -112,13 +91,15 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     warm = None
     if model_dir is None and cfg.data.path is None and cfg.data.task in TASKS:
         warm = warm_up.WarmUp(cfg, run_dir)   # its own process, while Ray starts
-    try:
-        owns_ray = cluster.start(cfg)
-    except BaseException:
-        if warm is not None:
-            warm.stop()
-        raise
-    clock.mark("ray", "ray up" if owns_ray else "ray (already running)")
+    owns_ray = False
+    if not cfg.run.colocate:   # a colocated run is one process: no Ray
+        try:
+            owns_ray = cluster.start(cfg)
+        except BaseException:
+            if warm is not None:
+                warm.stop()
+            raise
+        clock.mark("ray", "ray up" if owns_ray else "ray (already running)")
     if warm is not None:
         try:
             model_dir = warm.result()
@@ -132,6 +113,10 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
     writer = RunWriter(run_dir, cfg)
     stores: list[tuple[str, int]] = []   # (weight store, learner pid)
     try:
+        if cfg.run.colocate:
+            from laminar_jax.runtime import colocated
+            return colocated.train(cfg, run_dir, model_dir, writer, say, on_step, clock, plan, inputs,
+                                   min_update_s=min_update_s, latency_model=latency_model)
         return _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
                       stores, inputs)
     finally:
@@ -142,11 +127,6 @@ def run(cfg: Any, *, on_step: Callable[[int, Fleet, dict], None] | None = None,
         run_folder.clean_stale_stores(cfg.relay.store_dir)
         if owns_ray:
             ray.shutdown()
-
-
-# per-step metrics the summary needs (the full rows are on disk: memory stays flat in run length)
-_SUMMARY_KEYS = ("reward_mean", "exact_rate", "staleness_mean", "staleness_max", "consumed_trajectories",
-                 "tokens_per_s")
 
 
 def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_update_s, clock, plan,
@@ -163,21 +143,15 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
     stores.append((ray.get(fleet.learner.weight_store.remote(), timeout=60).root,
                    ray.get(fleet.learner.pid.remote(), timeout=60)))
     start = ray.get(fleet.learner.current_version.remote())
-    writer.rewind(start)  # rows of steps after the checkpoint (a crashed run's) are redone
-    stored = -1 if writer.last_step is None else writer.last_step
-    if start > 0 and stored < start - 1:  # a crash lost rows the checkpoint had already covered
-        writer.log_event("rows_missing", first_step=stored + 1, last_step=start - 1)
-        say(f"warning: the run folder lacks the metrics of steps {stored + 1}..{start - 1} (lost in a crash "
-            f"before they were written); checkpoint v{start} resumes after them")
+    resume_rows(writer, start, say)
     # steps as in the metrics' `step` column (0-based); paths on their own line
     pools = ", ".join(f"{p.num_rollouts} {p.engine}" for p in cfg.rollout.pools_resolved())
     say(f"laminar train: mode {cfg.manager.mode}, {cfg.rollout.num_rollouts} rollouts ({pools}), relays "
         f"{'on' if cfg.relay.enabled else 'off'}, repack {'on' if cfg.manager.repack else 'off'}, "
         f"steps {start}..{cfg.run.steps - 1}")
     say(f"  model {model_dir or cfg.model.preset}\n  run folder {run_dir}")
-    meter, rows, stale_warnings = progress.RolloutMeter(), [], 0
+    log = StepLog(cfg, writer, say, events)
     watchdog = Watchdog(cfg, fleet)
-    watch = RewardWatch(max_error_rate=cfg.reward.max_error_rate, error_window=cfg.reward.error_window)
     pending = fleet.learner.step.remote() if start < cfg.run.steps else None
     try:
         for step in range(start, cfg.run.steps):
@@ -189,23 +163,11 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
             # is due: then this step's rows go to disk first and the next step begins with the save
             due, last = bool(out.get("checkpoint_due")), step + 1 >= cfg.run.steps
             pending = fleet.learner.step.remote() if not (due or last) else None
-            m = dict(out["metrics"], **{"time/unix_s": time.time()})   # when the step ended (benchmarks)
             stats = fleet.live_stats()
-            m.update(meter.update(stats))
-            for line in watch.update(stats):  # reward failures: console, and a stop past the rate
-                say(line)
-            watch.check()
-            # per-rollout KV use now, and the step's wall clock (the timeline of `laminar plot`)
-            m.update({f"kv_use/{st['id']}": float(st["kv_used"]) for st in stats}, wall_time=time.time())
-            acc = ray.get(fleet.data.accounting.remote())
-            m.update({f"ledger/{k}": v for k, v in acc.items()})
+            ledger = ray.get(fleet.data.accounting.remote())
             # relays are checked by their monitor thread (relay.check_interval_s)
             step_events = out["events"] + fleet.drain_events(check_relays=False)
-            m.update(breakdown.relay_times(fleet.relay_events))
-            m.update(breakdown.overhead(m))
-            writer.log_step(step, m)
-            writer.log_trajectories(out["trajectories"], step=step)
-            _log_events(events, step_events)
+            m = log.record(step, out, stats, ledger, step_events, fleet.relay_events)
             if due:
                 # rows up to this step on disk before the save starts: a checkpoint never covers a
                 # step whose rows a crash could lose
@@ -214,35 +176,13 @@ def _train(cfg, run_dir, model_dir, writer, say, on_step, latency_model, min_upd
                     _final_save(fleet, step, run_dir)
                 else:
                     pending = fleet.learner.step.remote(checkpoint_first=True)
-            warn = staleness_warning(cfg, step, m)
-            if warn is not None:
-                events("staleness_warning", **warn)
-                if stale_warnings % 10 == 0:   # the console line at most every 10th such step
-                    say(f"warning: step {step}: staleness_max {warn['staleness_max']:.0f} above the "
-                        f"{cfg.manager.mode} bound {warn['bound']} (manager.max_staleness)")
-                stale_warnings += 1
-            rows.append({k: v for k, v in m.items() if k in _SUMMARY_KEYS or k.startswith("time/")})
-            if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
-                say(progress.step_line(step, cfg.run.steps, m))
+            log.close_step(step, m)
             if on_step is not None:
                 on_step(step, fleet, m)
         accounting = ray.get(fleet.data.accounting.remote())
         counters = ray.get(fleet.manager.report.remote())["counters"]
     finally:
-        _log_events(events, fleet.stop())
+        log_events(events, fleet.stop())
         limit.flush()
-    summary = progress.summary(rows, wall_s=time.time() - t0, accounting=accounting, counters=counters)
-    summary["run_dir"] = run_dir
-    summary["startup"] = clock.phases
-    writer.log_event("startup", **clock.phases)
-    if rows:  # exact answers (full reward), first and last quarter of the steps like the reward
-        k = max(1, len(rows) // 4)
-        summary["exact_rate_first"] = float(sum(r["exact_rate"] for r in rows[:k]) / k)
-        summary["exact_rate_last"] = float(sum(r["exact_rate"] for r in rows[-k:]) / k)
-    # the events table stays flat: the ledger's counts as accounting_<key> columns
-    writer.log_event("summary", **{k: v for k, v in summary.items() if not isinstance(v, dict)},
-                     **{f"accounting_{k}": v for k, v in (accounting or {}).items() if isinstance(v, (int, float))})
-    say(progress.summary_text(summary))
-    if rows:
-        say(f"exact answers: {summary['exact_rate_first']:.0%} -> {summary['exact_rate_last']:.0%} of trajectories")
-    return summary
+    return log.summary(wall_s=time.time() - t0, accounting=accounting, counters=counters, run_dir=run_dir,
+                       startup=clock.phases)

@@ -103,6 +103,43 @@ class RolloutPlan:
     node: str | None
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What the data actor, the learner and the rollouts are built from: the reward, the
+    tokenizer, the dataset, the prompt pool's and buffer's arguments, and the longest row the
+    data can make (`batch.row_reach`: the learner compiles no length bucket past it)."""
+
+    reward: Any
+    tokenizer: Any
+    dataset: Any
+    pool_kw: dict
+    buffer_kw: dict
+    reach: int
+
+    @classmethod
+    def of(cls, cfg: Any, model_dir: str | None, dataset: Any = None, prompt_lengths: Any = None) -> "RunInputs":
+        """dataset / prompt_lengths: already loaded and measured (`preflight.train_inputs`)."""
+        reward = resolve_reward(cfg.reward, answer_field=cfg.data.answer_field)
+        tokenizer = engines.tokenizer_for(model_dir)
+        dataset = dataset if dataset is not None else load_dataset(cfg.data, seed=cfg.run.seed)
+        encode = PromptEncoder(tokenizer, chat_template=cfg.data.chat_template)
+        pool_kw = prompt_pool_kwargs(cfg.data, seed=cfg.run.seed, dataset=dataset, encode=encode)
+        if prompt_lengths is None:
+            prompt_lengths = [len(encode(r.prompt)) for r in dataset.rows]
+        buffer_kw = buffer_kwargs(cfg.data, seed=cfg.run.seed)
+        # the learner takes a whole global batch at once: a smaller buffer could never hold one
+        buffer_kw["capacity_groups"] = max(buffer_kw["capacity_groups"], cfg.learner.global_batch_groups)
+        return cls(reward, tokenizer, dataset, pool_kw, buffer_kw, row_reach(cfg, prompt_lengths))
+
+    def data_args(self) -> tuple:
+        return self.pool_kw, self.buffer_kw
+
+    @staticmethod
+    def data_kwargs(cfg: Any) -> dict:
+        return dict(mode=cfg.manager.mode, global_batch=cfg.learner.global_batch_groups,
+                    max_staleness=cfg.manager.max_staleness)
+
+
 @dataclass
 class Fleet:
     data: Any
@@ -137,21 +174,10 @@ class Fleet:
         kind = cluster.accelerator_kind()
         need = cluster.check_resources(cfg, learner_devices)
         learner_group.check(cfg, kind)   # learner.hosts: the mesh splits and the hosts can be placed
-        reward = resolve_reward(cfg.reward, answer_field=cfg.data.answer_field)
-        tokenizer = engines.tokenizer_for(model_dir)
-        dataset = dataset if dataset is not None else load_dataset(cfg.data, seed=cfg.run.seed)
-        encode = PromptEncoder(tokenizer, chat_template=cfg.data.chat_template)
-        pool_kw = prompt_pool_kwargs(cfg.data, seed=cfg.run.seed, dataset=dataset, encode=encode)
-        # the learner compiles no length bucket past the longest row this data can make
-        if prompt_lengths is None:
-            prompt_lengths = [len(encode(r.prompt)) for r in dataset.rows]
-        reach = row_reach(cfg, prompt_lengths)
-        buffer_kw = buffer_kwargs(cfg.data, seed=cfg.run.seed)
-        # the learner takes a whole global batch at once: a smaller buffer could never hold one
-        buffer_kw["capacity_groups"] = max(buffer_kw["capacity_groups"], cfg.learner.global_batch_groups)
-        data = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(DataActor).options(num_cpus=0, max_concurrency=1).remote(
-            pool_kw, buffer_kw, mode=cfg.manager.mode,
-            global_batch=cfg.learner.global_batch_groups, max_staleness=cfg.manager.max_staleness)
+        inp = RunInputs.of(cfg, model_dir, dataset, prompt_lengths)
+        reward, tokenizer, dataset, reach = inp.reward, inp.tokenizer, inp.dataset, inp.reach
+        data = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(DataActor).options(
+            num_cpus=0, max_concurrency=1).remote(*inp.data_args(), **inp.data_kwargs(cfg))
         nodes = cluster.alive_nodes()
         # the driver names the weight store (on the learner's node; the learner makes the folder),
         # so relays and rollouts start while the learner initialises, not after it

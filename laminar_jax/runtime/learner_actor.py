@@ -31,6 +31,7 @@ from laminar_jax.metrics import exact_rate
 from laminar_jax.runtime import batch as B
 from laminar_jax.runtime import breakdown, compile_cache, host_batch
 from laminar_jax.runtime import engine_metrics
+from rollout.rpc import call, send
 # rl_step and checkpoint (jax, flax, orbax) are imported in the actor's __init__: the driver
 # imports this module only for the class, and skipping them there saves it seconds of start-up
 
@@ -69,7 +70,10 @@ class Learner:
 
     def __init__(self, cfg: Any, run_dir: str, data: Any, *, resume: bool = True, min_update_s: float = 0.0,
                  store_root: str | None = None, host: tuple | None = None, followers: list | None = None,
-                 max_row_tokens: int | None = None):
+                 max_row_tokens: int | None = None, publisher: Any = None):
+        """data: the data actor, or the `DataActor` itself in this process (run.colocate).
+        publisher: where versions go instead of a weight store (run.colocate: the rollout's
+        `InProcessWeights`); None: the weight store `store_root` names."""
         clock = breakdown.InitClock()   # the `learner_init` event: wall and CPU s per phase
         import jax
 
@@ -118,7 +122,7 @@ class Learner:
             self.state, meta = self.checkpointer.restore(latest, self.state)   # every host: its shards
             self.version = int(meta["version"])
             if self.process == 0:
-                ray.get(data.load_state_dict.remote(meta["data"]))
+                call(data.load_state_dict, meta["data"])
             self._event("resumed", version=self.version, checkpoint=latest)
         self._last_ckpt = (self.version, time.time())  # (version, time) of the last checkpoint
         clock.mark("restore")
@@ -129,9 +133,12 @@ class Learner:
             self._event("stale_store_removed", path=stale)
         # store_root: chosen by the driver (`Fleet.start`), so relays and rollouts start before
         # this init ends; the default names the store after this process
-        root = store_root or os.path.join(cfg.relay.store_dir, f"{cfg.run.name}-{os.getpid()}")
-        self.store = WeightStore.local(root)
-        self.publisher = Publisher(self.store, dtype=cfg.model.rollout_dtype, events=self._event)
+        if publisher is None:
+            root = store_root or os.path.join(cfg.relay.store_dir, f"{cfg.run.name}-{os.getpid()}")
+            self.store = WeightStore.local(root)
+            self.publisher = Publisher(self.store, dtype=cfg.model.rollout_dtype, events=self._event)
+        else:
+            self.store, self.publisher = None, publisher
         self._last_end = time.time()
         self.rejected_too_long = 0
         self._past_params: dict[int, Any] = {}   # version -> params (learner.mismatch_versions)
@@ -230,6 +237,14 @@ class Learner:
         start = self._waiting_since = time.time()
         batch_index = self.version if modes.uses_global_batches(self.mode) else None
         while True:
+            if not hasattr(self.data.wait_sample, "remote"):   # the data actor in this process
+                groups = self.data.wait_sample(num_groups, self.version, batch_index, CLOSE_POLL_S)
+                self._check_open()
+                if groups:
+                    self._waiting_since = None
+                    return groups, None, time.time() - start
+                self._check_stalled(num_groups, start)
+                continue
             # blocks in the data actor until the groups are there; here, close() is looked for
             if self.hosts > 1:
                 ref = self.data.wait_sample_hosts.remote(num_groups, self.version, batch_index,
@@ -250,10 +265,13 @@ class Learner:
             if groups:
                 self._waiting_since = None
                 return groups, ticket, time.time() - start
-            if time.time() - start > STALL_TIMEOUT_S:
-                raise RuntimeError(f"learner: no {num_groups} groups for version {self.version} after "
-                                   f"{STALL_TIMEOUT_S:.0f} s; rollouts dead or stalled "
-                                   f"(accounting {ray.get(self.data.accounting.remote(), timeout=60)})")
+            self._check_stalled(num_groups, start)
+
+    def _check_stalled(self, num_groups: int, start: float) -> None:
+        if time.time() - start > STALL_TIMEOUT_S:
+            raise RuntimeError(f"learner: no {num_groups} groups for version {self.version} after "
+                               f"{STALL_TIMEOUT_S:.0f} s; rollouts dead or stalled "
+                               f"(accounting {call(self.data.accounting, timeout=60)})")
 
     def _update(self, groups: list, mini_batches: int) -> tuple[dict, list[dict], list]:
         """One update on this host's groups (all of them with one host); returns its metrics,
@@ -388,7 +406,7 @@ class Learner:
         self._mirror.send(self.version, "publish")
         self.publisher.publish(self.version, self.state.params)
         self._times.add("publish_s", clock)
-        self.data.set_learner_version.remote(self.version)
+        send(self.data.set_learner_version, self.version)
         end = time.time()
         checkpoint_s = self._checkpoint_s   # the save this step began with (checkpoint_first)
         run = self.cfg.run
@@ -436,7 +454,7 @@ class Learner:
             return self.version
 
     def checkpoint(self) -> int:
-        meta = {"version": self.version, "data": ray.get(self.data.state_dict.remote(), timeout=300)}
+        meta = {"version": self.version, "data": call(self.data.state_dict, timeout=300)}
         self._mirror.send(self.version, "save", meta)
         self.checkpointer.save(self.version, self.state, meta)
         self._last_ckpt = (self.version, time.time())
@@ -466,7 +484,7 @@ class Learner:
 
     def _close(self, shutil: Any) -> list[dict]:
         if not self._mirror.alive():   # a dead learner host: no multi-host save or write can finish
-            shutil.rmtree(self.store.root, ignore_errors=True)
+            self._remove_store(shutil)
             return [{"kind": "learner_host_lost", "t": time.time(), "version": self.version}]
         if self._precompile is not None:   # finish filling the compile cache (PRECOMPILE_JOIN_S)
             self._precompile.join(PRECOMPILE_JOIN_S)
@@ -474,5 +492,9 @@ class Learner:
         self._log_committed(self.checkpointer.close())
         self.publisher.close()
         self._mirror.collect()
-        shutil.rmtree(self.store.root, ignore_errors=True)
+        self._remove_store(shutil)
         return self._drain_events()
+
+    def _remove_store(self, shutil: Any) -> None:
+        if self.store is not None:   # run.colocate: versions stayed in memory
+            shutil.rmtree(self.store.root, ignore_errors=True)

@@ -89,7 +89,9 @@ def summary_text(s: dict) -> str:
             f"{s['trajectories']} trajectories, {s['tokens_per_s']:.0f} consumed tok/s\n"
             f"ledger: issued {a['issued']} = consumed {a['consumed']} + buffered {a['buffered']} + in flight "
             f"{a['in_flight']} + requeued {a['requeued']} + dropped {a['dropped']} + rejected {a['rejected']}"
-            f" (unaccounted {a['unaccounted']}); manager {s['manager']}" + breakdown_text(s.get("breakdown", {})))
+            f" (unaccounted {a['unaccounted']}); "
+            + (f"manager {s['manager']}" if s["manager"] is not None else "no manager (run.colocate)")
+            + breakdown_text(s.get("breakdown", {})))
 
 
 def breakdown_text(b: dict) -> str:

@@ -359,3 +359,17 @@ def test_new_loss_options_are_reachable_from_yaml(override, check, tmp_path):
     text += f"{'  ' * (len(parts) - 1)}{parts[-1]}: {value}\n"
     assert check(load_config(_write(tmp_path, text)))
     assert check(load_config(None, [override]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.num_rollouts=2"], "exactly one rollout with engine jax"),
+    (["rollout.engine=vllm"], "exactly one rollout with engine jax"),
+    (["run.ray_address=auto"], "no run.ray_address"),
+    (["mesh.fsdp=2"], "a learner of one host on one device"),
+    (["learner.memory_fraction=0.5"], "learner.memory_fraction null"),
+])
+def test_colocate_needs_one_jax_rollout_and_a_one_device_learner_without_ray(tmp_path, overrides, message):
+    path = _write(tmp_path, "")
+    assert load_config(path, ["run.colocate=true", "rollout.num_rollouts=1"]).run.colocate
+    err = _error(path, ["run.colocate=true", "rollout.num_rollouts=1", *overrides])
+    assert "run.colocate" in err and message in err, err
