@@ -1,4 +1,5 @@
-"""A GRPO race on one machine: TRL's GRPOTrainer against Laminar-JAX (laminar and sync modes).
+"""A GRPO race on one machine: TRL's GRPOTrainer against Laminar-JAX (laminar and sync modes, on Ray
+or colocated in one process: --systems ... laminar-colocated sync-colocated).
 
     PYTHONPATH=$PWD .venv/bin/python experiments/race_trl.py [--seeds 0 1] [--steps 30]
 
