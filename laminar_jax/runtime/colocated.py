@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from laminar_jax.rewards.registry import RewardScorer
@@ -26,13 +26,27 @@ from laminar_jax.runtime.data_actor import DataActor
 from laminar_jax.runtime.events import EventLimiter
 from laminar_jax.runtime.fleet import RolloutSpawner, RunInputs
 from laminar_jax.runtime.learner_actor import Learner
-from laminar_jax.runtime.liveness import LivenessError
+from laminar_jax.runtime.liveness import LivenessError, Watchdog
 from laminar_jax.runtime.step_log import StepLog, log_events, resume_rows
 from laminar_jax.weights.local import InProcessWeights
 from rollout.worker import RolloutWorker
 
 POLL_S = 1.0            # how often a waiting driver looks at the rollout thread
 STOP_TIMEOUT_S = 60.0   # the rollout thread's end after stop() (one engine step, a reward in flight)
+
+
+class OneRollout:
+    """What the liveness check (`liveness.Watchdog`) reads of a rollout manager, for the one
+    rollout of a colocated run: nothing replaces it."""
+
+    def __init__(self, worker: Any, thread: threading.Thread):
+        self.worker, self.thread = worker, thread
+
+    def report(self) -> dict:
+        alive = self.worker.failed is None and self.thread.is_alive()
+        return {"counters": {}, "live": [self.worker.id] if alive else [], "stats": {}, "restarts": 0,
+                "starting": [self.worker.id] if alive and self.worker.engine is None else [],
+                "restartable": False}
 
 
 @dataclass
@@ -45,6 +59,11 @@ class Colocated:
     weights: Any
     thread: threading.Thread
     bad_rows: list
+    manager: OneRollout = field(init=False)   # the liveness check's view of the rollout
+
+    def __post_init__(self):
+        self.manager = OneRollout(self.worker, self.thread)
+        self._watchdog = None
 
     @classmethod
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, resume: bool, on_phase: Callable,
@@ -78,21 +97,25 @@ class Colocated:
         on_phase("publish", "first weights published; the rollout builds its engine")
         return cls(data, learner, worker, weights, thread, list(inp.dataset.bad_rows))
 
-    def check(self, step: int) -> None:
-        """LivenessError when the rollout thread died: nothing else makes this run's data."""
+    def check(self, step: int, cfg: Any) -> None:
+        """LivenessError when the rollout thread died (nothing else makes this run's data), or
+        for what the Ray run's driver also stops on (`liveness.verdict`: every prompt rejected,
+        prompts exhausted, nothing produced for manager.liveness_timeout_s)."""
         failed = self.worker.failed
         if failed is None and not self.thread.is_alive():
             failed = "its thread ended"
         if failed is not None:
             raise LivenessError(f"step {step}: rollout {self.worker.id} died ({failed}); a colocated run "
                                 f"(run.colocate) has one rollout and no manager to replace it")
+        self._watchdog = self._watchdog or Watchdog(cfg, self)
+        self._watchdog.check(step)
 
-    def wait(self, pending: Any, step: int) -> dict:
+    def wait(self, pending: Any, step: int, cfg: Any) -> dict:
         while True:
             try:
                 return pending.result(timeout=POLL_S)
             except FutureTimeout:
-                self.check(step)
+                self.check(step, cfg)
 
     def stop(self) -> list[dict]:
         """Stops the rollout, then the learner (its step in flight ends at its next wait for
@@ -125,7 +148,7 @@ def train(cfg: Any, run_dir: str, model_dir: str | None, writer: Any, say: Calla
         log = StepLog(cfg, writer, say, events)
         pending = steps.submit(run.learner.step) if start < cfg.run.steps else None
         for step in range(start, cfg.run.steps):
-            out = run.wait(pending, step)
+            out = run.wait(pending, step, cfg)
             if step == start:
                 clock.mark("first_step", f"first RL step done (v{out['version']}); training")
             due, last = bool(out.get("checkpoint_due")), step + 1 >= cfg.run.steps

@@ -59,7 +59,8 @@ def verdict(data: dict, manager: dict, waited_s: float | None, *, cfg: Any, step
 
 class Watchdog:
     """`check(step)` polls the data actor, manager and learner (each call with a timeout) and
-    raises LivenessError when `verdict` says so."""
+    raises LivenessError when `verdict` says so. They are Ray actors, or plain objects in this
+    process (a colocated run: `runtime.colocated`)."""
 
     def __init__(self, cfg: Any, fleet: Any, *, call_timeout_s: float = 30.0):
         self.cfg, self.fleet, self.call_timeout_s = cfg, fleet, call_timeout_s
@@ -69,14 +70,16 @@ class Watchdog:
     def check(self, step: int) -> None:
         import ray
 
+        from rollout.rpc import call
+
         f, t = self.fleet, self.call_timeout_s
         if len(getattr(f, "learner_hosts", ())) > 1:   # a dead learner host: LearnerHostError naming it
             from laminar_jax.runtime.learner_group import check_alive
             check_alive(f.learner_hosts, timeout_s=t)
         try:
-            data = ray.get(f.data.liveness.remote(), timeout=t)
-            manager = ray.get(f.manager.report.remote(), timeout=t)
-            waited = ray.get(f.learner.waiting.remote(), timeout=t)
+            data = call(f.data.liveness, timeout=t)
+            manager = call(f.manager.report, timeout=t)
+            waited = call(f.learner.waiting, timeout=t)
         except ray.exceptions.GetTimeoutError:
             # a busy actor (start-up on a loaded machine): no verdict now, unless it lasts
             now = time.time()

@@ -78,3 +78,16 @@ def test_a_colocated_laminar_run_trains_on_what_the_rollout_made_meanwhile(warm_
     assert len(traj) == 4 * 4 * 8 and summary["accounting"]["unaccounted"] == 0
     assert (traj.staleness == traj.learner_version - traj.gen_version).all()
     assert traj.staleness.max() >= 1, "the rollout generated while the learner trained"
+
+
+def test_a_colocated_run_whose_prompts_run_out_stops_saying_so(warm_model, tmp_path, monkeypatch):
+    """The Ray driver's liveness verdicts hold here too (`liveness.Watchdog` over the in-process
+    data actor, learner and rollout): one pass over 8 prompts feeds 2 steps of 4 groups, not 4."""
+    _no_ray(monkeypatch)
+    cfg = base_config(str(tmp_path), "exhausted", warm_model, **{**SYNC, "run.steps": 4, "run.colocate": "true",
+                                                                "data.num_prompts": 8, "data.max_epochs": 1})
+    t0 = time.time()
+    with pytest.raises(LivenessError, match=r"prompts exhausted: data.max_epochs=1 passes over 8 prompts ended "
+                                            r"at step 2"):
+        driver.run(cfg, quiet=True)
+    assert time.time() - t0 < 60
