@@ -53,6 +53,7 @@ class OneRollout:
 class Colocated:
     """The run's parts in this process; `on_step` callbacks get it where a Ray run gives its Fleet."""
 
+    cfg: Any
     data: Any
     learner: Any
     worker: Any
@@ -60,10 +61,11 @@ class Colocated:
     thread: threading.Thread
     bad_rows: list
     manager: OneRollout = field(init=False)   # the liveness check's view of the rollout
+    watchdog: Watchdog = field(init=False)
 
     def __post_init__(self):
         self.manager = OneRollout(self.worker, self.thread)
-        self._watchdog = None
+        self.watchdog = Watchdog(self.cfg, self)
 
     @classmethod
     def start(cls, cfg: Any, run_dir: str, model_dir: str | None, *, resume: bool, on_phase: Callable,
@@ -95,9 +97,9 @@ class Colocated:
             raise
         on_phase("learner", "learner ready")
         on_phase("publish", "first weights published; the rollout builds its engine")
-        return cls(data, learner, worker, weights, thread, list(inp.dataset.bad_rows))
+        return cls(cfg, data, learner, worker, weights, thread, list(inp.dataset.bad_rows))
 
-    def check(self, step: int, cfg: Any) -> None:
+    def check(self, step: int) -> None:
         """LivenessError when the rollout thread died (nothing else makes this run's data), or
         for what the Ray run's driver also stops on (`liveness.verdict`: every prompt rejected,
         prompts exhausted, nothing produced for manager.liveness_timeout_s)."""
@@ -107,15 +109,15 @@ class Colocated:
         if failed is not None:
             raise LivenessError(f"step {step}: rollout {self.worker.id} died ({failed}); a colocated run "
                                 f"(run.colocate) has one rollout and no manager to replace it")
-        self._watchdog = self._watchdog or Watchdog(cfg, self)
-        self._watchdog.check(step)
+        self.watchdog.check(step)
 
-    def wait(self, pending: Any, step: int, cfg: Any) -> dict:
+    def wait(self, pending: Any, step: int) -> dict:
+        """The learner step's result; meanwhile `check` runs every POLL_S."""
         while True:
             try:
                 return pending.result(timeout=POLL_S)
             except FutureTimeout:
-                self.check(step, cfg)
+                self.check(step)
 
     def stop(self) -> list[dict]:
         """Stops the rollout, then the learner (its step in flight ends at its next wait for
@@ -148,7 +150,7 @@ def train(cfg: Any, run_dir: str, model_dir: str | None, writer: Any, say: Calla
         log = StepLog(cfg, writer, say, events)
         pending = steps.submit(run.learner.step) if start < cfg.run.steps else None
         for step in range(start, cfg.run.steps):
-            out = run.wait(pending, step, cfg)
+            out = run.wait(pending, step)
             if step == start:
                 clock.mark("first_step", f"first RL step done (v{out['version']}); training")
             due, last = bool(out.get("checkpoint_due")), step + 1 >= cfg.run.steps

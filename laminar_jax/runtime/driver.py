@@ -20,6 +20,9 @@ While the learner works on a step the driver checks liveness about once a second
 are rate-limited per kind and source (`EventLimiter`): a fault that repeats per group cannot
 flood the run folder. A consumed trajectory staler than the mode's bound is a warning event and
 a console line.
+
+With `run.colocate` the same parts run in this process instead, without Ray (`runtime.colocated`,
+its own loop over the same per-step logging, `runtime.step_log`).
 """
 from __future__ import annotations
 

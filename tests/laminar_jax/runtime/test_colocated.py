@@ -91,3 +91,18 @@ def test_a_colocated_run_whose_prompts_run_out_stops_saying_so(warm_model, tmp_p
                                             r"at step 2"):
         driver.run(cfg, quiet=True)
     assert time.time() - t0 < 60
+
+
+def test_a_colocated_run_resumes_from_its_checkpoint(warm_model, tmp_path, monkeypatch):
+    """The learner restores its checkpoint and the in-process data actor its pool and buffer
+    (`rpc.call` on a plain object): a second launch with more steps goes on from version 2."""
+    _no_ray(monkeypatch)
+    over = {**SYNC, "run.steps": 2, "run.colocate": "true"}
+    driver.run(base_config(str(tmp_path), "resumed", warm_model, **over), quiet=True)
+    summary = driver.run(base_config(str(tmp_path), "resumed", warm_model, **{**over, "run.steps": 4}), quiet=True)
+    run = load_run(summary["run_dir"])
+    assert run.metrics.sort_values("step").version.tolist() == [1, 2, 3, 4]
+    assert sorted(run.trajectories.learner_version.unique()) == [0, 1, 2, 3]
+    assert run.trajectories.trajectory_id.is_unique and len(run.trajectories) == 4 * 4 * 8
+    resumed = run.events[run.events.kind == "resumed"]
+    assert resumed.version.tolist() == [2]
