@@ -1,6 +1,8 @@
 """Start-up of `laminar train`, before and after: the same runs from two checkouts, interleaved.
 
     PYTHONPATH=$PWD .venv/bin/python experiments/bench_startup.py --before /work/main [--reps 2]
+    # one checkout, two configs: a Ray run against a colocated one
+    ... --before $PWD --set rollout.num_rollouts=1 --after-set run.colocate=true
 
 Each run is a fresh `laminar train configs/default.yaml run.steps=2` process (the tiny model, 2
 rollouts, relays on), from the checkout under test (PYTHONPATH and cwd point at it). Cases:
@@ -80,6 +82,10 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(REPO, "experiments", "results", "bench_startup.json"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override of every run (repeatable), e.g. rollout.num_rollouts=1")
+    p.add_argument("--before-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of the before side's runs only (repeatable)")
+    p.add_argument("--after-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of the after side's runs only (repeatable), e.g. run.colocate=true")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     init = a.init
@@ -91,7 +97,8 @@ def main() -> None:
                             f"run.out_dir={a.work}", "run.name=init"], cwd=a.after,
                            env=dict(os.environ, PYTHONPATH=a.after), check=True, capture_output=True)
     sides = {"before": a.before, "after": a.after}
-    hf = [f"model.hf_path={init}", *a.set]
+    own = {"before": a.before_set, "after": a.after_set}
+    hf = {side: [f"model.hf_path={init}", *a.set, *own[side]] for side in sides}
     runs: list[dict] = []
 
     def timed(side: str, case: str, rep: int, extra: list[str], cache: str) -> None:
@@ -113,21 +120,21 @@ def main() -> None:
             elif os.path.isdir(caches[side]):
                 continue
             print(f"bench: priming the {side} cache", flush=True)
-            run_once(sides[side], f"{side}-prime", hf, cache=caches[side], work=a.work)
+            run_once(sides[side], f"{side}-prime", hf[side], cache=caches[side], work=a.work)
             if "warm-up" in a.cases:
-                run_once(sides[side], f"{side}-prime-wu", a.set, cache=caches[side], work=a.work)
+                run_once(sides[side], f"{side}-prime-wu", [*a.set, *own[side]], cache=caches[side], work=a.work)
     order = list(sides)
     for rep in range(a.reps if "hf-warm" in a.cases else 0):
         for side in (order if rep % 2 == 0 else order[::-1]):
-            timed(side, "hf-warm", rep, hf, caches[side])
+            timed(side, "hf-warm", rep, hf[side], caches[side])
     for rep in range(a.cold_reps if "hf-cold" in a.cases else 0):
         for side in (order[::-1] if rep % 2 == 0 else order):
             cold = os.path.join(a.work, f"cache-cold-{side}")
             shutil.rmtree(cold, ignore_errors=True)
-            timed(side, "hf-cold", rep, hf, cold)
+            timed(side, "hf-cold", rep, hf[side], cold)
     if "warm-up" in a.cases:
         for side in order:
-            timed(side, "warm-up", 0, a.set, caches[side])
+            timed(side, "warm-up", 0, [*a.set, *own[side]], caches[side])
     summary = {}
     for case in a.cases:
         for side in sides:
@@ -153,7 +160,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"before": a.before, "after": a.after, "init": init, "cores": os.cpu_count(), "set": a.set,
-                   "summary": summary, "runs": runs}, f, indent=1)
+                   "before_set": a.before_set, "after_set": a.after_set, "summary": summary, "runs": runs}, f, indent=1)
     print(f"\nwrote {a.out}")
 
 

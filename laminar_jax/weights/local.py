@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from laminar_jax.weights.publish import check_next_version
 from laminar_jax.weights.source import WeightSource
 
 
@@ -35,11 +36,7 @@ class InProcessWeights(WeightSource):
     # ------------------------------------------------------------------ learner side
     def publish(self, version: int, params: Any) -> None:
         """Makes `params` version `version`; returns once the rollout can read it."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"InProcessWeights.publish: version must be an int >= 0, got {version!r}")
-        if self._version is not None and version <= self._version:
-            raise ValueError(f"InProcessWeights.publish: version {version} is not newer than the last "
-                             f"published version {self._version}")
+        check_next_version("InProcessWeights.publish", version, self._version)
         import jax
 
         tree = params.to_pure_dict() if hasattr(params, "to_pure_dict") else params

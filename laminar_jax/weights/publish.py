@@ -185,6 +185,14 @@ def prune_store(store: WeightStore, keep_from: int) -> list[int]:
     return _on_store_node(store, _prune, store, keep_from)
 
 
+def check_next_version(who: str, version: Any, last: int | None) -> None:
+    """ValueError unless `version` is an int >= 0 newer than `last` (None: nothing published yet)."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"{who}: version must be an int >= 0, got {version!r}")
+    if last is not None and version <= last:
+        raise ValueError(f"{who}: version {version} is not newer than the last published version {last}")
+
+
 class Publisher:
     """Learner side of the weight path. One per learner process (every host of a multi-host
     learner makes the same calls; orbax writes each host's shards).
@@ -241,11 +249,7 @@ class Publisher:
 
     def publish(self, version: int, params: Any) -> None:
         """Starts publishing `params` as `version`; returns after the device-to-host copy."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"Publisher.publish: version must be an int >= 0, got {version!r}")
-        if self._last_published is not None and version <= self._last_published:
-            raise ValueError(f"Publisher.publish: version {version} is not newer than the last "
-                             f"published version {self._last_published}")
+        check_next_version("Publisher.publish", version, self._last_published)
         import jax
         import orbax.checkpoint as ocp
 
