@@ -158,21 +158,42 @@ def pack(batch: dict[str, np.ndarray], *, max_seq_len: int, row_multiple: int = 
     trajectory keeps its tokens, positions and per-token values; its segment id is its slot in
     the row (1..k). Padding rows of the input (valid 0) are left out."""
     n_rows = batch["tokens"].shape[0]
+    places = pack_places(batch, max_seq_len=max_seq_len)
+    used = 1 + max((r for _, r, _, _ in places), default=-1)
+    rows = next(r for r in row_buckets(n_rows, row_multiple) if r >= max(used, min_rows))
+    keys = [k for k in TOKEN_KEYS if k in batch]
+    out = {k: np.zeros((rows, max_seq_len), batch[k].dtype) for k in keys}
+    slot: dict[int, int] = {}   # a trajectory's segment id is its slot in the row (1..k)
+    for i, r, col, n in places:
+        slot[r] = slot.get(r, 0) + 1
+        for k in keys:
+            out[k][r, col:col + n] = batch[k][i, :n]
+        out["segment_ids"][r, col:col + n] = slot[r]
+    return out
+
+
+def pack_places(batch: dict[str, np.ndarray], *, max_seq_len: int) -> list[tuple[int, int, int, int]]:
+    """Where `pack` puts each valid row of the batch: (row, packed row, column, length), rows
+    first-fit-decreasing into `max_seq_len`, each bin's members in order of its fill."""
+    n_rows = batch["tokens"].shape[0]
     valid = batch.get("valid", np.ones((n_rows,), np.float32)) > 0
     lengths = (batch["segment_ids"] != 0).sum(axis=1)
     items = [i for i in range(n_rows) if valid[i] and lengths[i] > 0]
-    bins = first_fit_decreasing([int(lengths[i]) for i in items], max_seq_len)
-    rows = next(r for r in row_buckets(n_rows, row_multiple) if r >= max(len(bins), min_rows))
-    keys = [k for k in TOKEN_KEYS if k in batch]
-    out = {k: np.zeros((rows, max_seq_len), batch[k].dtype) for k in keys}
-    for r, members in enumerate(bins):
+    places = []
+    for r, members in enumerate(first_fit_decreasing([int(lengths[i]) for i in items], max_seq_len)):
         col = 0
-        for seg, j in enumerate(members, start=1):
-            i, n = items[j], int(lengths[items[j]])
-            for k in keys:
-                out[k][r, col:col + n] = batch[k][i, :n]
-            out["segment_ids"][r, col:col + n] = seg
-            col += n
+        for j in members:
+            places.append((items[j], r, col, int(lengths[items[j]])))
+            col += int(lengths[items[j]])
+    return places
+
+
+def unpack(packed: np.ndarray, batch: dict[str, np.ndarray], *, max_seq_len: int) -> np.ndarray:
+    """A per-token array of `pack(batch)`'s rows ([packed rows, max_seq_len]) back in the batch's
+    rows ([rows, length]); 0 where the batch has no token (padding, invalid rows)."""
+    out = np.zeros(batch["tokens"].shape, np.asarray(packed).dtype)
+    for i, r, col, n in pack_places(batch, max_seq_len=max_seq_len):
+        out[i, :n] = packed[r, col:col + n]
     return out
 
 

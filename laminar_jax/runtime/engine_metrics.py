@@ -18,7 +18,8 @@ the rows it trains on, before its update (`rl_step.TOKEN_LOGP`), so no separate 
 that forward covers the whole batch at this version's params (`logp_from_train_step`). The
 separate pass stays for past versions, and where the forward does not cover it: several
 mini-batches of one batch (the later ones train on updated params), gradient accumulation
-(micro-batches), packed rows, a prox anchor at this version (the pass feeds the loss), and
+(micro-batches), packed rows of a learner over several hosts (one host unpacks its rows,
+`batch.unpack`), a prox anchor at this version (the pass feeds the loss), and
 rollout.zero_mismatch (its bit-for-bit check is of the standalone forward, the program the
 engines' exact decoder mirrors; a forward fused with its backward is another XLA program).
 
@@ -52,7 +53,7 @@ def logp_from_train_step(cfg: Any, mini_batch_rows: int) -> bool:
     one_update = lc.mini_batches == 1 or modes.streams_minibatches(cfg.manager.mode)
     prox_now = (spec.needs_prox or lc.recompute_prox) and not spec.needs_ewma
     micro = lc.micro_batch_size or mini_batch_rows
-    return (one_update and micro == mini_batch_rows and not lc.pack and not prox_now
+    return (one_update and micro == mini_batch_rows and not (lc.pack and lc.hosts > 1) and not prox_now
             and not getattr(cfg.rollout, "zero_mismatch", False))
 
 

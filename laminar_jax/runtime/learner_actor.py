@@ -328,7 +328,10 @@ class Learner:
                 self._event("nonfinite_loss", version=self.version, loss=m.get("loss"))
             steps.append(self._rl_step.scalar_metrics(m, "loss/"))   # float(): waits for the update
         clock = self._times.add("update_s", clock)
-        if from_step:   # one mini-batch, unpacked: its rows are the batch's
+        if from_step and lc.pack:   # one mini-batch, packed (one host): back in the batch's rows
+            learner_logp = B.unpack(np.asarray(self._dist.to_host(m[self._rl_step.TOKEN_LOGP]), np.float32), batch,
+                                    max_seq_len=lc.max_seq_len)
+        elif from_step:   # one mini-batch, unpacked: its rows are the batch's
             learner_logp = host_batch.local_rows(self._dist.to_host(m[self._rl_step.TOKEN_LOGP]),
                                                  batch["tokens"].shape[0]).astype(np.float32)
         mismatch_logp, measured = engine_metrics.at_token_versions(batch["staleness"], {0: learner_logp, **past_logp})

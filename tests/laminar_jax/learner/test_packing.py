@@ -57,6 +57,22 @@ def test_pack_first_fit_decreasing_and_rejection():
     assert B.row_buckets(64, 2) == (2, 4, 8, 16, 32, 64) and B.length_buckets(48, 8) == (8, 16, 32, 48)
 
 
+def test_unpack_puts_every_packed_token_back_in_its_row():
+    """`batch.unpack` inverts `batch.pack` on every token of every valid row (the learner reads
+    the packed train step's per-token log-probs back in the batch's rows); padding reads 0."""
+    groups = _groups([(3, 10), (2, 20), (4, 5), (1, 2), (5, 7), (2, 9), (3, 3), (6, 12)])
+    batch = B.assemble(groups, learner_version=4, max_seq_len=48, min_len=8, rows=12)   # 4 padding rows
+    packed = B.pack(batch, max_seq_len=48, row_multiple=2)
+    assert packed["tokens"].shape[0] < 8
+    real = batch["segment_ids"] > 0
+    for key in ("tokens", "positions", "behaviour_logp", "response_mask"):
+        back = B.unpack(packed[key], batch, max_seq_len=48)
+        np.testing.assert_array_equal(back[real], batch[key][real], err_msg=key)
+        assert not back[~real].any(), key
+    places = B.pack_places(batch, max_seq_len=48)
+    assert sorted(i for i, *_ in places) == list(range(8)), "every valid row placed once"
+
+
 def test_packed_logprobs_losses_and_grads_equal_unpacked():
     """Every aggregation mode (each with its global normaliser) and the prox log-probs."""
     lengths = [(3, 12), (5, 2), (2, 30), (4, 9), (6, 1), (3, 20), (2, 7), (4, 15)]

@@ -1,6 +1,7 @@
 """Per-engine metrics of a learner step (`runtime.engine_metrics`) against closed forms, and the
 pool / engine resolution they read (`RolloutConfig.assignments`)."""
 import numpy as np
+import pytest
 
 from laminar_jax.config import load_config
 from laminar_jax.runtime import engine_metrics
@@ -77,25 +78,29 @@ def test_the_current_versions_logp_comes_from_the_train_step_where_its_forward_c
     assert engine_metrics.logp_from_train_step(cfg("manager.mode=stream", "learner.mini_batches=2"), rows // 2)
     for extra in (["learner.mini_batches=2"],                  # the second trains on updated params
                   ["learner.micro_batch_size=8"],              # accumulated: no per-row aux
-                  ["learner.pack=true"],                       # packed rows
+                  ["learner.pack=true", "learner.hosts=2"],    # packed rows over hosts
                   ["loss.correction.old=prox"],                # the pass feeds the loss
                   ["learner.recompute_prox=true"],
                   ["rollout.zero_mismatch=true"]):             # the check is of the standalone forward
         assert not engine_metrics.logp_from_train_step(cfg(*extra), rows // (2 if "mini" in extra[0] else 1)), extra
     assert engine_metrics.logp_from_train_step(cfg("loss.correction.old=ewma"), rows)   # prox from EWMA weights
+    assert engine_metrics.logp_from_train_step(cfg("learner.pack=true"), rows)   # one host unpacks its rows
 
 
-def test_mismatch_metrics_from_the_train_steps_forward_equal_the_separate_pass(tmp_path):
+@pytest.mark.parametrize("pack", [False, True])
+def test_mismatch_metrics_from_the_train_steps_forward_equal_the_separate_pass(tmp_path, pack):
     """A real learner update (no Ray: the actor class in-process): with the log-probs taken from
     the train step's forward, no separate pass runs, and the mismatch metrics equal those of a
-    separate log-prob pass of the same params, bit for bit."""
+    separate log-prob pass of the same params: bit for bit on the batch's own rows; packed, the
+    forward over packed rows (unpacked by `batch.unpack`) equals it to float rounding."""
     from laminar_jax.runtime import batch as B, breakdown
     from tests.laminar_jax.runtime.runtime_fixtures import toy_groups
     from laminar_jax.runtime.learner_actor import Learner
 
     cfg = load_config("configs/default.yaml", [
         "learner.global_batch_groups=2", "data.group_size=4", "learner.precompile=false", "run.steps=2",
-        "learner.max_seq_len=32", "learner.min_bucket=16", f"relay.store_dir={tmp_path}/stores"])
+        "learner.max_seq_len=32", "learner.min_bucket=16", f"relay.store_dir={tmp_path}/stores",
+        f"learner.pack={str(pack).lower()}"])
     learner = Learner(cfg, str(tmp_path / "run"), data=None, resume=False, store_root=str(tmp_path / "store"))
     assert learner._logp_from_step
     groups = toy_groups()
@@ -114,6 +119,10 @@ def test_mismatch_metrics_from_the_train_steps_forward_equal_the_separate_pass(t
     got = learner._update(groups, 1)[0]   # (metrics, trajectory rows, stats)
     assert calls == [], "no separate log-prob pass"
     keys = [k for k in want if k.startswith("mismatch/")]
-    assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    if pack:
+        assert got["learner/rows"] < 8, "the batch was packed"
+        assert keys and {k: got[k] for k in keys} == pytest.approx({k: want[k] for k in keys}, rel=1e-4, abs=1e-6)
+    else:
+        assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
     assert got["mismatch/jax/num_tokens"] == sum(len(t.response_tokens) for g in groups for t in g)
     learner.publisher.close()
