@@ -125,9 +125,7 @@ class Colocated:
         self.worker.stop()
         self.thread.join(STOP_TIMEOUT_S)
         events = self.worker.drain_events()
-        events += self.learner.close()
-        self.weights.close()
-        return events
+        return events + self.learner.close()   # it closes its publisher, the weights
 
 
 def train(cfg: Any, run_dir: str, model_dir: str | None, writer: Any, say: Callable, on_step: Callable | None,

@@ -39,7 +39,7 @@ from laminar_jax.runtime import cluster, engines, progress, run_folder, warm_up
 from laminar_jax.runtime.fleet import Fleet
 from laminar_jax.runtime.events import EventLimiter
 from laminar_jax.runtime.liveness import LivenessError, Watchdog
-from laminar_jax.runtime.step_log import StepLog, log_events, resume_rows, staleness_warning  # noqa: F401
+from laminar_jax.runtime.step_log import StepLog, log_events, resume_rows
 
 POLL_S = 1.0            # liveness check period while a step runs
 SAVE_TIMEOUT_S = 300.0  # the final checkpoint's start (device-to-host copy, a write in progress)

@@ -56,14 +56,18 @@ def test_only_newer_versions_are_served_and_a_publish_must_be_newer():
         local.publish(-1, _params())
 
 
-def test_the_copy_is_the_learner_s_params_at_publish_time():
-    """The next update donates the learner's buffers: the published copy must not follow them."""
-    params = _params()
+def test_the_copy_outlives_the_learner_s_next_update_donating_its_params():
+    """The next update donates the learner's device buffers: a version kept by reference would be
+    deleted under the rollout (or change with the params); the published copy must not."""
+    import jax
+
+    params = jax.tree.map(jax.numpy.asarray, _params())
+    want = np.asarray(params["embedding"]).copy()
     local = InProcessWeights(CFG, "float32")
     local.publish(1, params)
-    before = local.newer_than(0)[1]["model.embed_tokens.weight"].copy()
-    params["embedding"] += 1.0
-    np.testing.assert_array_equal(local.newer_than(0)[1]["model.embed_tokens.weight"], before)
+    update = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
+    params = update(params)
+    np.testing.assert_array_equal(local.newer_than(0)[1]["model.embed_tokens.weight"], want)
 
 
 def test_a_waiting_rollout_wakes_on_the_publish_not_at_its_timeout():
